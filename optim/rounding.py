@@ -1,0 +1,261 @@
+"""Stochastic rounding from float32 to bfloat16 and float16, and its counter-based noise.
+
+The noise is a pure function of ``(key, element index)``: a 32-bit key is derived on the host from
+the seed, the data-parallel rank, the tensor's position in the optimizer, the step and the stream
+(weight, first moment, second moment), and every element hashes its global index with that key. The
+same definition is used by the PyTorch path here and by the fused GPU kernel, so both draw the same
+numbers, a run is reproducible from ``(seed, step)`` alone, and a ZeRO partition of any length (beyond
+2**31 elements included) is processed chunk by chunk without any stored generator state.
+
+Rounding rules (both target dtypes):
+
+* ``mode="proportional"`` rounds ``x`` to the neighbour above ``|x|`` (in magnitude) with probability
+  ``(|x| - lo) / (hi - lo)``, so ``E[result] == x``; the probability is quantised to 2**-16 for
+  bfloat16 and 2**-24 for float16.
+* ``mode="equal"`` picks either neighbour with probability 1/2 (unbiased only on average over x).
+* Representable values are returned exactly; ``±0``, ``±inf`` and NaN are preserved; finite values
+  beyond the largest finite value of the target saturate to ``±max`` instead of becoming infinite;
+  float16's subnormal range (spacing 2**-24 below 2**-14) is rounded with its true spacing.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+__all__ = ["stochastic_round", "random_bits", "random_bits_reference", "derive_key", "round_with_bits"]
+
+Mode = Literal["proportional", "equal"]
+
+_M32 = 0xFFFFFFFF
+_H1 = 0x7FEB352D  # lowbias32 multipliers (Chris Wellons' hash-prospector)
+_H2 = 0x846CA68B
+_GOLDEN = 0x9E3779B9
+_HI_SALT = 0x68BC21EB
+_BF16_MAX_BITS = 0x7F7F0000
+_F16_MAX = 65504.0
+
+#: Elements processed per chunk by the PyTorch path; bounds temporary memory to a few chunk-sized
+#: tensors whatever the tensor's length.
+CHUNK = 1 << 22
+
+
+# ----------------------------------------------------------------------------------------------
+# Counter-based random bits
+# ----------------------------------------------------------------------------------------------
+def _hash32_int(x: int) -> int:
+    """lowbias32 on a Python int (host-side key derivation)."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * _H1) & _M32
+    x ^= x >> 15
+    x = (x * _H2) & _M32
+    x ^= x >> 16
+    return x
+
+
+def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of an int32 tensor holding uint32 bit patterns."""
+    return (x >> k) & ((1 << (32 - k)) - 1)
+
+
+def _as_i32(c: int) -> int:
+    """A uint32 constant as the int32 with the same bits."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on an int32 tensor of uint32 bit patterns (multiplication wraps modulo 2**32)."""
+    x = x ^ _srl(x, 16)
+    x = x * _as_i32(_H1)
+    x = x ^ _srl(x, 15)
+    x = x * _as_i32(_H2)
+    return x ^ _srl(x, 16)
+
+
+def derive_key(*parts: int) -> int:
+    """Folds integers (seed, rank, tensor index, step, stream...) into one 32-bit key.
+
+    Each part may be any non-negative Python int; parts wider than 32 bits are folded 32 bits at a
+    time, so 64-bit seeds and steps are distinct keys.
+
+    Args:
+        *parts: The integers to fold, in order.
+
+    Returns:
+        A key in ``[0, 2**32)``.
+    """
+    h = 0x2545F491
+    for part in parts:
+        part = int(part)
+        if part < 0:
+            raise ValueError(f"key parts must be non-negative, got {part}")
+        while True:
+            h = _hash32_int((h ^ (part & _M32)) + _GOLDEN)
+            part >>= 32
+            if part == 0:
+                break
+    return h
+
+
+def _segment_key(key: int, hi: int) -> int:
+    """Second-round key for the elements whose index has high 32 bits ``hi``."""
+    return _hash32_int(key ^ _HI_SALT) ^ ((hi * _GOLDEN) & _M32)
+
+
+def random_bits_reference(key: int, index: int) -> int:
+    """The noise of one element, in plain Python: the definition :func:`random_bits` vectorises.
+
+    ``r = h(h(lo32(index) ^ key) ^ k2)`` with ``h`` the lowbias32 hash and
+    ``k2 = h(key ^ salt) ^ (hi32(index) * golden mod 2**32)``.
+    """
+    lo, hi = index & _M32, index >> 32
+    return _hash32_int(_hash32_int(lo ^ key) ^ _segment_key(key, hi))
+
+
+def random_bits(key: int, offset: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Uniform 32-bit random integers for elements ``offset .. offset + n - 1`` under ``key``.
+
+    Element ``j`` gets :func:`random_bits_reference` ``(key, j)``. Indices are 64-bit (any offset
+    below 2**63 is safe); the high half of the index enters through a per-segment key, so a range
+    crossing a multiple of 2**32 is split there.
+
+    Args:
+        key: A 32-bit key from :func:`derive_key`.
+        offset: Global index of the first element.
+        n: Number of elements.
+        device: Device of the result.
+
+    Returns:
+        An int32 tensor of ``n`` uint32 bit patterns (use :func:`_srl`-style logical shifts).
+    """
+    key &= _M32
+    pieces = []
+    pos = 0
+    while pos < n or not pieces:
+        j = offset + pos
+        hi, lo0 = j >> 32, j & _M32
+        seg = min(n - pos, (1 << 32) - lo0)
+        if lo0 + seg <= 1 << 31:
+            lo = torch.arange(lo0, lo0 + seg, dtype=torch.int32, device=device)
+        else:  # indices past 2**31: shift into int32 range, then flip the top bit back (exact)
+            lo = torch.arange(lo0 - (1 << 31), lo0 + seg - (1 << 31), dtype=torch.int64, device=device)
+            lo = lo.to(torch.int32) ^ _as_i32(1 << 31)
+        r = _hash32(lo ^ _as_i32(key))
+        pieces.append(_hash32(r ^ _as_i32(_segment_key(key, hi))))
+        pos += seg
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rounding with given bits
+# ----------------------------------------------------------------------------------------------
+def _check_target(dtype: torch.dtype) -> None:
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in ("proportional", "equal"):
+        raise ValueError(f"mode must be 'proportional' or 'equal', got {mode!r}")
+
+
+def _round_bf16(x: torch.Tensor, bits: torch.Tensor, mode: Mode) -> torch.Tensor:
+    xb = x.view(torch.int32)
+    mag = xb & 0x7FFFFFFF
+    finite = mag < 0x7F800000
+    mag = torch.where(finite, mag.clamp(max=_BF16_MAX_BITS), mag)  # saturate finite overflow
+    low = mag & 0xFFFF
+    if mode == "proportional":
+        up = (low + _srl(bits, 16)) >= 0x10000
+    else:
+        up = (low != 0) & (bits < 0)  # top bit
+    out = torch.where(finite, (mag - low) + (up.to(torch.int32) << 16), mag)  # inf/NaN untouched
+    out = torch.where(xb < 0, out | _as_i32(0x80000000), out)
+    # NaN payloads may keep low bits: the final cast rounds them but keeps them NaN.
+    return out.view(torch.float32).to(torch.bfloat16)
+
+
+def _round_f16(x: torch.Tensor, bits: torch.Tensor, mode: Mode) -> torch.Tensor:
+    a = x.abs()
+    finite = torch.isfinite(x)
+    a = torch.where(finite, a.clamp(max=_F16_MAX), torch.zeros_like(a))
+    exp = ((a.view(torch.int32) >> 23) & 0xFF) - 127
+    exp = exp.clamp(min=-14)  # subnormal range shares the spacing of the smallest binade
+    ulp = ((exp - 10 + 127) << 23).view(torch.float32)  # 2**(exp-10), always a normal fp32
+    q = a / ulp  # exact: division by a power of two without under/overflow
+    fl = torch.floor(q)
+    frac = q - fl  # exact, in [0, 1)
+    if mode == "proportional":
+        up = _srl(bits, 8).to(torch.float32) < frac * 16777216.0
+    else:
+        up = (frac > 0) & (bits < 0)  # top bit
+    mag = (fl + up.to(torch.float32)) * ulp  # exactly representable in float16
+    out = torch.where(finite, torch.copysign(mag, x), x)
+    return out.to(torch.float16)
+
+
+def round_with_bits(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor, mode: Mode = "proportional") -> torch.Tensor:
+    """Rounds float32 ``x`` to ``dtype`` with the given uniform 32-bit integers.
+
+    This is the single definition of the rounding decision; the fused kernel reproduces it.
+
+    Args:
+        x: A float32 tensor (any shape, contiguous).
+        dtype: ``torch.bfloat16`` or ``torch.float16``.
+        bits: int32 tensor of ``x.numel()`` uint32 bit patterns (as from :func:`random_bits`).
+        mode: ``"proportional"`` or ``"equal"``.
+
+    Returns:
+        A tensor of ``dtype`` with ``x``'s shape.
+    """
+    _check_target(dtype)
+    _check_mode(mode)
+    if x.dtype != torch.float32:
+        raise ValueError(f"x must be float32, got {x.dtype}")
+    flat = x.reshape(-1)
+    bits = bits.reshape(-1)
+    out = _round_bf16(flat, bits, mode) if dtype == torch.bfloat16 else _round_f16(flat, bits, mode)
+    return out.view(x.shape)
+
+
+def stochastic_round(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    mode: Mode = "proportional",
+    generator: torch.Generator | None = None,
+    seed: int | None = None,
+) -> torch.Tensor:
+    """Stochastically rounds a float32 tensor to bfloat16 or float16.
+
+    Args:
+        x: Values to round; cast to float32 first if another floating dtype.
+        dtype: ``torch.bfloat16`` or ``torch.float16``.
+        mode: ``"proportional"`` (round up with probability equal to the distance from the lower
+            neighbour over the spacing, unbiased) or ``"equal"`` (each neighbour with probability 1/2).
+        generator: Draw the noise from this ``torch.Generator`` (its state advances).
+        seed: Draw counter-based noise keyed by this seed instead (same seed, same result, the
+            generator state is untouched). Mutually exclusive with ``generator``; with neither, the
+            global torch generator is used.
+
+    Returns:
+        The rounded tensor of ``dtype``, same shape and device as ``x``.
+
+    Raises:
+        ValueError: On an unsupported ``dtype`` or ``mode``, or both ``generator`` and ``seed``.
+    """
+    _check_target(dtype)
+    _check_mode(mode)
+    if generator is not None and seed is not None:
+        raise ValueError("pass either generator or seed, not both")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+    x32 = x.to(torch.float32).contiguous()
+    n = x32.numel()
+    if seed is not None:
+        bits = random_bits(derive_key(seed), 0, n, device=x32.device)
+    else:
+        bits = torch.randint(-(1 << 31), 1 << 31, (n,), dtype=torch.int32, device=x32.device, generator=generator)
+    return round_with_bits(x32, dtype, bits, mode)

@@ -1,0 +1,1 @@
+"""CLIP training recipe: sharded contrastive loss, encoders, data and the DeepSpeed train loop."""

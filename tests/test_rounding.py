@@ -1,0 +1,155 @@
+"""Stochastic rounding against an independent float64 reference of the two neighbours.
+
+Statistical bounds: a mean of N proportional draws between neighbours lo < hi has standard deviation
+(hi - lo) * sqrt(p (1 - p) / N) <= (hi - lo) / (2 sqrt(N)); tests allow 6 such deviations (a false
+failure probability below 2e-9 per element); seeds are fixed, so the tests are deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from optim import stochastic_round
+from optim.rounding import random_bits, random_bits_reference
+
+from .sr_reference import FORMATS, neighbours
+
+def sample_values(dtype: torch.dtype, kind: str, n: int = 64) -> torch.Tensor:
+    seed = {"normal": 1, "subnormal": 2, "near_max": 3}[kind] + (10 if dtype == torch.float16 else 0)
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+    _, emin, fmax = FORMATS[dtype]
+    if kind == "normal":
+        v = torch.exp2(u * 20 - 10)
+    elif kind == "subnormal":
+        v = u * 2.0**emin  # below the smallest normal, including values below the smallest subnormal
+    else:  # near max
+        v = fmax * (1 - u * 0.01)
+    return (sign * v).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["normal", "subnormal", "near_max"])
+def test_outputs_are_neighbours_and_mean_is_unbiased(dtype: torch.dtype, kind: str) -> None:
+    x = sample_values(dtype, kind)
+    draws = 4000
+    out = torch.stack([stochastic_round(x, dtype, seed=s) for s in range(draws)]).double()
+    for i, xi in enumerate(x.tolist()):
+        lo, hi = neighbours(xi, dtype)
+        col = out[:, i]
+        assert bool(((col == lo) | (col == hi)).all()), (xi, lo, hi, col.unique())
+        bound = 6 * abs(hi - lo) / (2 * math.sqrt(draws))
+        assert abs(col.mean().item() - xi) <= bound + 1e-300, (xi, col.mean().item(), bound)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_equal_mode_picks_each_neighbour_half_the_time(dtype: torch.dtype) -> None:
+    x = sample_values(dtype, "normal", 32)
+    draws = 4000
+    out = torch.stack([stochastic_round(x, dtype, mode="equal", seed=s) for s in range(draws)]).double()
+    for i, xi in enumerate(x.tolist()):
+        lo, hi = neighbours(xi, dtype)
+        if lo == hi:
+            assert bool((out[:, i] == lo).all())
+            continue
+        frac_hi = (out[:, i] == hi).double().mean().item()
+        assert bool(((out[:, i] == lo) | (out[:, i] == hi)).all())
+        assert abs(frac_hi - 0.5) <= 6 * 0.5 / math.sqrt(draws)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["proportional", "equal"])
+def test_special_and_representable_values(dtype: torch.dtype, mode: str) -> None:
+    fmax = FORMATS[dtype][2]
+    tiny = torch.finfo(dtype).smallest_normal
+    representable = torch.tensor([1.0, -1.5, 2.0**-3, tiny, -tiny, fmax, -fmax, tiny * 2**-3], dtype=dtype)
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf")])
+    for s in range(50):
+        r = stochastic_round(representable.float(), dtype, mode=mode, seed=s)
+        assert torch.equal(r, representable)
+        sp = stochastic_round(specials, dtype, mode=mode, seed=s)
+        assert torch.equal(sp.float(), specials)
+        assert torch.equal(torch.signbit(sp), torch.signbit(specials))  # -0 keeps its sign
+        nan = stochastic_round(torch.tensor([float("nan"), -float("nan")]), dtype, mode=mode, seed=s)
+        assert bool(torch.isnan(nan).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_finite_overflow_saturates(dtype: torch.dtype) -> None:
+    fmax = FORMATS[dtype][2]
+    # finite float32 values beyond the target's largest finite value (65520 rounds to inf in float16)
+    big = [65504 * 1.0001, 65520.0, 1e38] if dtype == torch.float16 else [3.3896e38, 3.4e38, 3.4028e38]
+    big = torch.tensor(big + [-v for v in big])
+    assert bool((big.double().abs() > fmax).all())
+    for s in range(200):
+        r = stochastic_round(big, dtype, seed=s).double()
+        assert torch.equal(r, big.double().sign() * fmax)
+
+
+def test_float16_subnormals_are_not_flushed() -> None:
+    # 1e-8 lies between 0 and 2**-24 (~5.96e-8): it must round up with probability 1e-8 / 2**-24.
+    x = torch.full((200_000,), 1e-8)
+    r = stochastic_round(x, torch.float16, seed=3).double()
+    p = 1e-8 / 2.0**-24
+    frac = (r == 2.0**-24).double().mean().item()
+    assert set(r.unique().tolist()) <= {0.0, 2.0**-24}
+    assert abs(frac - p) <= 6 * math.sqrt(p * (1 - p) / x.numel())
+    # a value in the subnormal range with spacing 2**-24
+    y = torch.full((200_000,), 3.3 * 2.0**-24)
+    ry = stochastic_round(y, torch.float16, seed=4).double()
+    assert set(ry.unique().tolist()) == {3 * 2.0**-24, 4 * 2.0**-24}
+    assert abs(ry.mean().item() - y[0].item()) <= 6 * 2.0**-24 / (2 * math.sqrt(y.numel()))
+
+
+def test_stagnation_round_to_nearest_loses_small_updates_sr_keeps_them() -> None:
+    # 10,000 updates of 1e-4 onto bf16 weights of 1.0 (spacing 2**-7 there, 2**-6 above 2.0).
+    n, steps, delta = 512, 10_000, 1e-4
+    w_rtn = torch.ones(n, dtype=torch.bfloat16)
+    w_sr = torch.ones(n, dtype=torch.bfloat16)
+    for t in range(steps):
+        w_rtn = (w_rtn.float() + delta).to(torch.bfloat16)
+        w_sr = stochastic_round(w_sr.float() + delta, torch.bfloat16, seed=t)
+    kept_rtn = (w_rtn.double().mean().item() - 1.0) / (steps * delta)
+    kept_sr = (w_sr.double().mean().item() - 1.0) / (steps * delta)
+    assert kept_rtn == 0.0
+    assert abs(kept_sr - 1.0) <= 0.03, kept_sr
+
+
+def test_generator_and_seed_reproducibility() -> None:
+    x = torch.randn(1000) * 3
+    a = stochastic_round(x, torch.bfloat16, seed=7)
+    assert torch.equal(a, stochastic_round(x, torch.bfloat16, seed=7))
+    assert not torch.equal(a, stochastic_round(x, torch.bfloat16, seed=8))
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert torch.equal(stochastic_round(x, torch.float16, generator=g1), stochastic_round(x, torch.float16, generator=g2))
+    with pytest.raises(ValueError, match="dtype"):
+        stochastic_round(x, torch.float32)
+    with pytest.raises(ValueError, match="mode"):
+        stochastic_round(x, torch.bfloat16, mode="up")
+    with pytest.raises(ValueError, match="generator or seed"):
+        stochastic_round(x, torch.bfloat16, seed=1, generator=g1)
+
+
+@pytest.mark.parametrize("offset", [0, 12_345, 2**31 - 7, 2**32 - 9, 2**33 + 5, 2**62])
+def test_random_bits_match_scalar_definition_beyond_int32(offset: int) -> None:
+    key = 0xDEADBEEF
+    got = (random_bits(key, offset, 16).to(torch.int64) & 0xFFFFFFFF).tolist()
+    assert got == [random_bits_reference(key, offset + i) for i in range(16)]
+
+
+def test_random_bits_are_uniform() -> None:
+    n = 1 << 20
+    r = random_bits(12345, 0, n).to(torch.int64) & 0xFFFFFFFF
+    u = r.double() / 2**32
+    assert abs(u.mean().item() - 0.5) <= 6 * math.sqrt(1 / 12 / n)
+    # every bit is set half of the time (32 tests, 6 sigma each)
+    for b in range(32):
+        frac = ((r >> b) & 1).double().mean().item()
+        assert abs(frac - 0.5) <= 6 * 0.5 / math.sqrt(n), b
+    # neighbouring elements are uncorrelated
+    c = torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()
+    assert abs(c) <= 6 / math.sqrt(n)

@@ -1,0 +1,362 @@
+"""SRAdamW against torch.optim.AdamW and float32 references, state handling, seeds, bad input."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+
+from optim import SRAdamW, sradamw_update_
+from optim.rounding import derive_key
+
+from .sr_reference import neighbours
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+def make_params(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(17, 5), (33,), (4, 3, 2), (1,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def grads_for(params: list[torch.Tensor], step: int, scale: float = 1.0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=g) * scale for p in params]
+
+
+def run(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int, start: int = 0, scale: float = 1.0) -> None:
+    for t in range(start, start + steps):
+        for p, g in zip(params, grads_for(params, t, scale)):
+            p.grad = g.to(p.dtype)
+        opt.step()
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_float32_matches_torch_adamw(weight_decay: float) -> None:
+    ref, ours = make_params(), make_params()
+    kw = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-7, weight_decay=weight_decay)
+    run(torch.optim.AdamW(ref, **kw), ref, 100)
+    run(SRAdamW(ours, **kw), ours, 100)
+    for a, b in zip(ref, ours):
+        rel = ((a - b).abs() / a.abs().clamp(min=1e-6)).max().item()
+        assert rel <= 1e-6, rel
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_master_weight_group_matches_float32_adamw(dtype: torch.dtype) -> None:
+    half = make_params(dtype)
+    ref = [torch.nn.Parameter(p.detach().float()) for p in half]
+    kw = dict(lr=1e-3, weight_decay=0.05)
+    opt_ref = torch.optim.AdamW(ref, **kw)
+    opt = SRAdamW(half, master_weights=True, state_dtype=torch.float32, **kw)
+    for t in range(50):
+        for p, r, g in zip(half, ref, grads_for(half, t)):
+            p.grad = g.to(dtype)
+            r.grad = g.to(dtype).float()  # the same (half-representable) gradient
+        opt_ref.step()
+        opt.step()
+    for p, r in zip(half, ref):
+        master = opt.state[p]["master"]
+        assert master.dtype == torch.float32
+        assert ((master - r).abs() / r.abs().clamp(min=1e-6)).max().item() <= 1e-6
+        assert torch.equal(p, master.to(dtype))  # round-to-nearest copy
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_sr_weights_are_neighbours_of_the_float32_update_and_unbiased(dtype: torch.dtype) -> None:
+    # One step from the same start: the SR result is one of the two half neighbours of the
+    # float32 AdamW result, and its mean over seeds matches it (6 sigma on 2000 draws).
+    base = torch.randn(64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    grad = torch.randn(64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    ref = torch.nn.Parameter(base.float())
+    ref.grad = grad.float()
+    torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.1).step()
+    target = ref.detach().double()
+    draws = []
+    for seed in range(2000):
+        p = torch.nn.Parameter(base.clone())
+        p.grad = grad.clone()
+        SRAdamW([p], lr=1e-3, weight_decay=0.1, state_dtype=torch.float32, seed=seed).step()
+        draws.append(p.detach().double())
+    d = torch.stack(draws)
+    for i, ti in enumerate(target.tolist()):
+        lo, hi = neighbours(ti, dtype)
+        col = d[:, i]
+        assert bool(((col == lo) | (col == hi)).all()), (ti, lo, hi)
+        bound = 6 * abs(hi - lo) / (2 * math.sqrt(len(draws)))
+        assert abs(col.mean().item() - ti) <= bound, (ti, col.mean().item(), bound)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_small_updates_survive_with_sr_and_stall_with_round_to_nearest(dtype: torch.dtype) -> None:
+    # Each update (~lr: Adam is scale-free) is below half a unit in the last place: bf16 weights in
+    # [1, 2) (spacing 2**-7) with lr 1e-4; fp16 weights in [512, 1024) (spacing 0.5) with lr 2e-2.
+    # Per element the SR displacement
+    # after T steps has standard deviation <= ulp * sqrt(T * lr / ulp); averaged over 4096 elements
+    # that is < 1 % of the expected displacement T * lr, so 5 % is a > 5 sigma bound.
+    lr = 1e-4 if dtype == torch.bfloat16 else 2e-2
+    base = 1.0 if dtype == torch.bfloat16 else 512.0
+    start = (base * (1 + torch.rand(4096, generator=torch.Generator().manual_seed(0)))).to(dtype)
+    target = torch.zeros(4096)
+
+    def train(p: torch.nn.Parameter, opt: torch.optim.Optimizer) -> torch.Tensor:
+        for _ in range(300):
+            p.grad = (p.detach().float() - target).to(p.dtype)  # pull towards 0
+            opt.step()
+        return p.detach().double()
+
+    p32 = torch.nn.Parameter(start.float())
+    w32 = train(p32, torch.optim.AdamW([p32], lr=lr, weight_decay=0.0))
+    p_sr = torch.nn.Parameter(start.clone())
+    w_sr = train(p_sr, SRAdamW([p_sr], lr=lr, weight_decay=0.0, state_dtype=torch.float32, seed=1))
+    p_rn = torch.nn.Parameter(start.clone())
+    w_rn = train(p_rn, SRAdamW([p_rn], lr=lr, weight_decay=0.0, state_dtype=torch.float32, weight_rounding="nearest"))
+    moved32 = (start.double() - w32).mean().item()
+    assert abs(moved32 / (300 * lr) - 1) < 0.01
+    assert torch.equal(w_rn, start.double())  # round-to-nearest never moves
+    assert abs((start.double() - w_sr).mean().item() / moved32 - 1) <= 0.05
+
+
+def test_bf16_state_round_to_nearest_ratchets_sr_does_not() -> None:
+    # v <- beta2 v + (1 - beta2) g^2 stored in bf16: RTN cannot represent the small decay of v and
+    # drifts upward; SR stays unbiased. Compared with a float32 recursion on the same gradients.
+    n, steps, beta2 = 256, 20_000, 0.999
+    gen = torch.Generator().manual_seed(0)
+    v32 = torch.zeros(n)
+    v_rn = torch.zeros(n, dtype=torch.bfloat16)
+    v_sr = torch.zeros(n, dtype=torch.bfloat16)
+    from optim import stochastic_round
+
+    for t in range(steps):
+        g2 = torch.randn(n, generator=gen) ** 2
+        v32 = beta2 * v32 + (1 - beta2) * g2
+        v_rn = (beta2 * v_rn.float() + (1 - beta2) * g2).to(torch.bfloat16)
+        v_sr = stochastic_round(beta2 * v_sr.float() + (1 - beta2) * g2, torch.bfloat16, seed=t)
+    ratio_rn = (v_rn.double().mean() / v32.double().mean()).item()
+    ratio_sr = (v_sr.double().mean() / v32.double().mean()).item()
+    assert ratio_rn > 1.5, ratio_rn
+    assert abs(ratio_sr - 1) <= 0.03, ratio_sr
+
+
+def test_float16_states_do_not_underflow_for_tiny_gradients() -> None:
+    # gradients ~1e-6: g^2 ~ 1e-12 is far below float16's smallest subnormal (6e-8).
+    ref, ours = make_params(), make_params()
+    start = [p.detach().clone() for p in ref]
+    kw = dict(lr=1e-3, weight_decay=0.0)
+    run(SRAdamW(ref, state_dtype=torch.float32, **kw), ref, 200, scale=1e-6)
+    opt = SRAdamW(ours, state_dtype=torch.float16, **kw)
+    run(opt, ours, 200, scale=1e-6)
+    d_ref = torch.cat([(p - s).flatten() for p, s in zip(ref, start)]).double()
+    d_our = torch.cat([(p - s).flatten() for p, s in zip(ours, start)]).double()
+    assert ((d_our - d_ref).norm() / d_ref.norm()).item() <= 0.03
+    st = opt.state[ours[0]]
+    assert st["exp_avg"].dtype == torch.float16 and st["exp_avg_sq"].dtype == torch.float16
+    assert bool((st["exp_avg_sq"] != 0).float().mean() > 0.99)  # not flushed to zero
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_weights_and_states_track_float32(dtype: torch.dtype, state_dtype: torch.dtype) -> None:
+    # A least-squares problem: SR half weights + SR half states reach the float32 loss within 2 %.
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 32, generator=gen)
+    x_true = torch.randn(32, generator=gen)
+    b = a @ x_true
+
+    def loss_after(p: torch.nn.Parameter, opt: torch.optim.Optimizer) -> float:
+        for _ in range(300):
+            p.grad = None
+            loss = ((a @ p.float() - b) ** 2).mean()
+            loss.backward()
+            opt.step()
+        return ((a @ p.detach().float() - b) ** 2).mean().item()
+
+    p32 = torch.nn.Parameter(torch.zeros(32))
+    l32 = loss_after(p32, torch.optim.AdamW([p32], lr=1e-2, weight_decay=0.0))
+    ph = torch.nn.Parameter(torch.zeros(32, dtype=dtype))
+    lh = loss_after(ph, SRAdamW([ph], lr=1e-2, weight_decay=0.0, state_dtype=state_dtype, seed=2))
+    initial = (b**2).mean().item()
+    assert l32 < 0.05 * initial
+    assert abs(lh - l32) <= 0.02 * initial
+
+
+def test_mixed_groups_keep_their_dtypes() -> None:
+    text = make_params(torch.bfloat16, 1)
+    image = make_params(torch.bfloat16, 2)
+    opt = SRAdamW(
+        [{"params": text, "state_dtype": torch.bfloat16}, {"params": image, "master_weights": True, "state_dtype": torch.float32}],
+        lr=1e-3,
+    )
+    run(opt, text + image, 3)
+    for p in text:
+        s = opt.state[p]
+        assert "master" not in s and s["exp_avg"].dtype == torch.bfloat16 and s["exp_avg_sq"].dtype == torch.bfloat16
+    for p in image:
+        s = opt.state[p]
+        assert s["master"].dtype == torch.float32 and s["exp_avg"].dtype == torch.float32
+        assert torch.equal(p, s["master"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
+def test_state_dict_round_trip_resumes_bit_identically(state_dtype: torch.dtype) -> None:
+    def build(seed: int) -> tuple[list[torch.nn.Parameter], SRAdamW]:
+        ps = make_params(torch.bfloat16, 0) + make_params(torch.float16, 1)
+        opt = SRAdamW(
+            [{"params": ps[:4], "state_dtype": state_dtype}, {"params": ps[4:], "master_weights": True}],
+            lr=1e-2,
+            seed=seed,
+        )
+        return ps, opt
+
+    ps, opt = build(seed=11)
+    run(opt, ps, 5)
+    buf = io.BytesIO()
+    torch.save({"model": [p.detach().clone() for p in ps], "opt": opt.state_dict()}, buf)
+    run(opt, ps, 5, start=5)
+    expected = [p.detach().clone() for p in ps]
+
+    ps2, opt2 = build(seed=999)  # another seed: the saved one must win
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        for p, v in zip(ps2, ck["model"]):
+            p.copy_(v)
+    opt2.load_state_dict(ck["opt"])
+    assert opt2.seed == 11
+    for p in ps2[:4]:
+        assert opt2.state[p]["exp_avg"].dtype == state_dtype
+    for p in ps2[4:]:
+        assert opt2.state[p]["master"].dtype == torch.float32
+    if state_dtype == torch.float16:
+        assert opt2.state[ps2[0]]["exp_avg_bound"].dtype == torch.float32
+    run(opt2, ps2, 5, start=5)
+    for a, b in zip(expected, ps2):
+        assert torch.equal(a, b)
+
+
+def test_seed_and_rank_change_the_noise() -> None:
+    def final(seed: int, rank: int | None) -> torch.Tensor:
+        ps = make_params(torch.bfloat16)
+        run(SRAdamW(ps, lr=1e-3, seed=seed, rank=rank), ps, 3)
+        return torch.cat([p.detach().flatten() for p in ps])
+
+    a = final(1, None)
+    assert torch.equal(a, final(1, 0))
+    assert not torch.equal(a, final(2, None))
+    assert not torch.equal(a, final(1, 1))
+
+
+def test_flat_partition_chunking_is_invisible() -> None:
+    # A ZeRO-style flat partition processed in small chunks equals one pass: the noise is keyed by
+    # the global element index.
+    n = 10_007
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(n, generator=gen).to(torch.bfloat16)
+    g = torch.randn(n, generator=gen).to(torch.bfloat16)
+    results = []
+    for chunk in (n, 1000, 333):
+        p = p0.clone()
+        m = torch.zeros(n, dtype=torch.float16)
+        v = torch.zeros(n, dtype=torch.float16)
+        one = torch.ones(())
+        sradamw_update_(
+            p, g, m, v, step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+            keys=(derive_key(1), derive_key(2), derive_key(3)), exp_avg_scales=(one, one * 2**-4),
+            exp_avg_sq_scales=(one, one * 2**-10), chunk_size=chunk,
+        )
+        results.append((p, m, v))
+    for r in results[1:]:
+        for a, b in zip(results[0], r):
+            assert torch.equal(a, b)
+
+
+def test_grad_scale_and_found_inf() -> None:
+    ref, ours = make_params(), make_params()
+    opt_ref, opt = SRAdamW(ref, lr=1e-3), SRAdamW(ours, lr=1e-3)
+    for t in range(5):
+        for p, q, g in zip(ref, ours, grads_for(ref, t)):
+            p.grad = g.clone()
+            q.grad = g * 1024.0
+        opt_ref.step()
+        opt.step(grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(0.0))
+    for a, b in zip(ref, ours):
+        assert torch.allclose(a, b, rtol=1e-6, atol=0)
+    before = [p.detach().clone() for p in ours]
+    opt.step(inv_grad_scale=1 / 1024.0, found_inf=torch.tensor(1.0))
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, ours))
+    assert int(opt.state[ours[0]]["step"]) == 5
+
+
+def test_grad_scaler_drives_the_step() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    opt, opt_ref = SRAdamW(model.parameters(), lr=1e-2), SRAdamW(ref.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for _ in range(5):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt_ref.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        opt_ref.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_gradients_skip_or_raise(bad: float) -> None:
+    ps = make_params(torch.bfloat16)
+    opt = SRAdamW(ps, lr=1e-3)
+    run(opt, ps, 2)
+    before = [p.detach().clone() for p in ps]
+    states = copy.deepcopy(opt.state_dict()["state"])
+    for p, g in zip(ps, grads_for(ps, 9)):
+        p.grad = g.to(p.dtype)
+    ps[-1].grad[0] = bad  # only the last tensor is bad: nothing at all may change
+    opt.step()
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, ps))
+    for k, st in states.items():
+        for name, v in st.items():
+            assert torch.equal(v, opt.state_dict()["state"][k][name])
+    strict = SRAdamW(ps, lr=1e-3, nonfinite="raise")
+    with pytest.raises(FloatingPointError):
+        strict.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, ps))
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(lr=-1.0), "lr"),
+        (dict(lr=float("nan")), "lr"),
+        (dict(betas=(1.0, 0.999)), "betas"),
+        (dict(betas=(0.9, -0.1)), "betas"),
+        (dict(eps=-1e-8), "eps"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(state_dtype=torch.int8), "state_dtype"),
+        (dict(master_weights="yes"), "master_weights"),
+        (dict(weight_rounding="up"), "weight_rounding"),
+        (dict(state_rounding="down"), "state_rounding"),
+        (dict(seed=-1), "seed"),
+        (dict(nonfinite="ignore"), "nonfinite"),
+    ],
+)
+def test_invalid_hyperparameters_name_the_parameter(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        SRAdamW(make_params(), **kwargs)
+
+
+def test_invalid_group_and_param_dtype() -> None:
+    with pytest.raises(ValueError, match="lr"):
+        SRAdamW([{"params": make_params(), "lr": -2.0}])
+    with pytest.raises(ValueError, match="params"):
+        SRAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
