@@ -36,11 +36,6 @@ _HI_SALT = 0x68BC21EB
 _BF16_MAX_BITS = 0x7F7F0000
 _F16_MAX = 65504.0
 
-#: Elements processed per chunk by the PyTorch path; bounds temporary memory to a few chunk-sized
-#: tensors whatever the tensor's length.
-CHUNK = 1 << 22
-
-
 # ----------------------------------------------------------------------------------------------
 # Counter-based random bits
 # ----------------------------------------------------------------------------------------------

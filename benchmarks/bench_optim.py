@@ -1,0 +1,166 @@
+"""AdamW step time, state bytes per parameter and achieved bandwidth, side by side in one run.
+
+Compares on the same parameters and gradients:
+  * torch AdamW, float32 weights and states (fused on CUDA, foreach on CPU);
+  * torch AdamW on bf16 weights and states (round-to-nearest everywhere);
+  * SRAdamW: bf16 weights + bf16 SR states; fp16 weights + scaled fp16 SR states; bf16 weights with
+    an fp32 master and fp32 states;
+  * torchao ``_AdamW(bf16_stochastic_round=True)`` (bf16 weights, fp32 master-free SR) if installed;
+  * optimi ``AdamW(kahan_sum=True)`` on bf16 weights if installed.
+
+"GB/s" counts the bytes an ideal single pass must move: read weight, gradient and every state
+tensor, write weight and every state tensor; it is the same formula for every optimizer, from the
+dtypes of the tensors that optimizer actually holds.
+
+Usage:
+    python benchmarks/bench_optim.py                       # CPU: 8 tensors of 2**20
+    python benchmarks/bench_optim.py --layout gpu-1b       # CUDA: 64 tensors of 2**24 (1.07 B)
+    python benchmarks/bench_optim.py --layout vit-b-32     # the ViT-B-32 preset's tensor shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from optim import SRAdamW  # noqa: E402
+
+
+def layout(name: str, n_tensors: int, size: int) -> list[tuple[int, ...]]:
+    if name == "uniform":
+        return [(size,)] * n_tensors
+    if name == "gpu-1b":
+        return [(1 << 24,)] * 64
+    if name == "vit-b-32":
+        from recipe.model import create_model
+
+        with torch.device("meta"):
+            model = create_model("ViT-B-32")
+        return [tuple(p.shape) for p in model.parameters()]
+    raise ValueError(f"unknown layout {name!r}")
+
+
+def state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = []
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor) and v.numel() > 1:
+                out.append(v)
+    return out
+
+
+def nbytes(ts: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def bench_one(
+    name: str,
+    make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+    shapes: list[tuple[int, ...]],
+    dtype: torch.dtype,
+    device: str,
+    warmup: int,
+    iters: int,
+) -> dict:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(device=device, dtype=dtype)) for s in shapes]
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen) * 1e-3).to(device=device, dtype=dtype)
+    opt = make(params)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        opt.step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        opt.step()
+    sync()
+    dt = (time.perf_counter() - t0) / iters
+    n = sum(p.numel() for p in params)
+    states = state_tensors(opt)
+    moved = 2 * nbytes(params) + nbytes([p.grad for p in params]) + 2 * nbytes(states)
+    return {
+        "optimizer": name,
+        "ms": dt * 1e3,
+        "state_bytes_per_param": nbytes(states) / n,
+        "weight_bytes_per_param": nbytes(params) / n,
+        "GB/s": moved / dt / 1e9,
+        "params": n,
+    }
+
+
+def candidates(device: str) -> list[tuple[str, torch.dtype, Callable]]:
+    cuda = device == "cuda"
+    torch_kw = {"fused": True} if cuda else {"foreach": True}
+    c: list[tuple[str, torch.dtype, Callable]] = [
+        ("torch AdamW fp32" + (" fused" if cuda else " foreach"), torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-3, **torch_kw)),
+        ("torch AdamW bf16 (RTN)", torch.bfloat16, lambda ps: torch.optim.AdamW(ps, lr=1e-3, **torch_kw)),
+        ("SRAdamW bf16 w + bf16 SR states", torch.bfloat16, lambda ps: SRAdamW(ps, lr=1e-3, state_dtype=torch.bfloat16)),
+        ("SRAdamW fp16 w + scaled fp16 SR states", torch.float16, lambda ps: SRAdamW(ps, lr=1e-3, state_dtype=torch.float16)),
+        ("SRAdamW bf16 w + fp32 master/states", torch.bfloat16, lambda ps: SRAdamW(ps, lr=1e-3, master_weights=True, state_dtype=torch.float32)),
+    ]
+    try:
+        from torchao.optim import _AdamW
+
+        c.append(("torchao _AdamW bf16 SR", torch.bfloat16, lambda ps: _AdamW(ps, lr=1e-3, bf16_stochastic_round=True)))
+    except ImportError:
+        print("# torchao not installed: skipped", file=sys.stderr)
+    try:
+        from optimi import AdamW as OptimiAdamW
+
+        c.append(("optimi AdamW bf16 Kahan", torch.bfloat16, lambda ps: OptimiAdamW(ps, lr=1e-3, kahan_sum=True)))
+    except ImportError:
+        print("# torch-optimi not installed: skipped", file=sys.stderr)
+    return c
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--layout", default=None, help="uniform | gpu-1b | vit-b-32 (default: gpu-1b on CUDA, uniform on CPU)")
+    ap.add_argument("--tensors", type=int, default=8)
+    ap.add_argument("--size", type=int, default=1 << 20)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--only", default=None, help="substring filter on optimizer names")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    name = args.layout or ("gpu-1b" if cuda else "uniform")
+    shapes = layout(name, args.tensors, args.size)
+    warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
+    iters = args.iters if args.iters is not None else (20 if cuda else 5)
+    dev_name = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
+    print(f"# device: {dev_name}; torch {torch.__version__}; layout {name}: {len(shapes)} tensors, "
+          f"{sum(torch.Size(s).numel() for s in shapes):,} params; {time.strftime('%Y-%m-%d')}")
+    rows = []
+    for label, dtype, make in candidates(args.device):
+        if args.only and args.only not in label:
+            continue
+        try:
+            rows.append(bench_one(label, make, shapes, dtype, args.device, warmup, iters))
+        except Exception as e:  # a comparison optimizer that cannot run here is reported, not hidden
+            rows.append({"optimizer": label, "error": f"{type(e).__name__}: {e}"[:120]})
+        if cuda:
+            torch.cuda.empty_cache()
+    print("| optimizer | ms/step | weight B/param | state B/param | GB/s |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['optimizer']} | error: {r['error']} | | | |")
+        else:
+            print(f"| {r['optimizer']} | {r['ms']:.2f} | {r['weight_bytes_per_param']:.0f} | {r['state_bytes_per_param']:.2f} | {r['GB/s']:.1f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
