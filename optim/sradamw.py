@@ -184,6 +184,10 @@ class SRAdamW(Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
         sdt = group["state_dtype"] or p.dtype
+        # The tensor's noise stream index: the order in which states are first created. It does
+        # not depend on the param_groups list at step time (DeepSpeed ZeRO steps one group at a
+        # time) and it is saved with the state, so a resumed run keeps it.
+        state["index"] = sum(1 for s in self.state.values() if "index" in s)
         state["step"] = torch.tensor(0, dtype=torch.int64)
         state["exp_avg"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.contiguous_format)
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.contiguous_format)
@@ -236,11 +240,9 @@ class SRAdamW(Optimizer):
             return loss
 
         rank = self._rank()
-        index = -1
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                index += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -250,6 +252,7 @@ class SRAdamW(Optimizer):
                     state = self._init_state(p, group)
                 state["step"] += 1
                 t = int(state["step"])
+                index = state["index"]
                 keys = tuple(derive_key(self.seed, rank, index, t, s) for s in (STREAM_PARAM, STREAM_EXP_AVG, STREAM_EXP_AVG_SQ))
                 m_scales = v_scales = None
                 if "exp_avg_bound" in state:

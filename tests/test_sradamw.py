@@ -326,7 +326,8 @@ def test_nonfinite_gradients_skip_or_raise(bad: float) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, ps))
     for k, st in states.items():
         for name, v in st.items():
-            assert torch.equal(v, opt.state_dict()["state"][k][name])
+            after = opt.state_dict()["state"][k][name]
+            assert torch.equal(v, after) if isinstance(v, torch.Tensor) else v == after
     strict = SRAdamW(ps, lr=1e-3, nonfinite="raise")
     with pytest.raises(FloatingPointError):
         strict.step()
