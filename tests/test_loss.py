@@ -1,0 +1,445 @@
+"""Tests of recipe.loss: the sharded gathered-embedding contrastive loss.
+
+The central check runs real gloo ranks on CPU (world sizes 1, 2 and 4, one spawn per world size with
+every case run inside the workers) and compares, after the data-parallel mean over ranks, the loss,
+the gradients of the image features, text features, logit scale and logit bias, and the accuracies
+with a single-process float64 full-batch reference. The "feature gradient after the data-parallel
+mean" is measured exactly as DeepSpeed would see it: every rank holds the same replicated leaf
+``(B, D)`` feature matrix and feeds its own rows to the loss; the mean over ranks of that leaf's
+gradient must equal the reference gradient of the full-batch loss (a rank's raw gradient of its rows
+is N times that, being the sum over every rank's loss).
+
+Tolerances (relative to the largest reference gradient entry; loss and accuracies are compared
+elementwise):
+* fp32 features: loss rtol 1e-5, gradients 2e-5, logit-scale gradient rtol 1e-4;
+* bf16 features: loss rtol 1e-5 (the fp32 logits of bf16 inputs are exact), feature gradients 1.5e-2
+  (returned in bf16: rounding 2^-9, plus bf16 reduce-scatter sums over ranks and the bf16 softmax
+  gradient in the feature matmuls), logit-scale gradient rtol 1e-4 (computed in fp32);
+* fp16 features at logit scale 100: loss rtol 1e-5, feature gradients 3e-3.
+The reference uses the same dtype-rounded inputs, so the tolerances measure the loss, not the cast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+import zlib
+from types import ModuleType
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from recipe.loss import LOSS_MODES, ClipLoss, all_gather_with_grad
+
+from .dist_utils import run_distributed
+
+DIM = 16
+WORLD_SIZES = (1, 2, 4)
+EQUAL_ROWS = 7  # per rank; the chunk sizes below do not divide it nor the gathered batch
+UNEVEN_ROWS = (5, 9, 3, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One configuration checked on every world size."""
+
+    mode: str
+    dtype: str
+    chunk: int = 4096
+    scale: float = 14.3
+    bias: float | None = None
+    uneven: bool = False
+
+    @property
+    def name(self) -> str:
+        parts = [self.mode, self.dtype, f"c{self.chunk}" if self.mode == "chunked" else "", f"s{self.scale:g}"]
+        parts += ["bias" if self.bias is not None else "", "uneven" if self.uneven else ""]
+        return "-".join(p for p in parts if p)
+
+    def sizes(self, world: int) -> list[int]:
+        return list(UNEVEN_ROWS[:world]) if self.uneven else [EQUAL_ROWS] * world
+
+
+CASES = (
+    Case("plain", "float32"),
+    Case("chunked", "float32", chunk=5),
+    Case("plain", "float32", bias=-2.5),
+    Case("chunked", "float32", chunk=3, bias=-2.5),
+    Case("plain", "bfloat16"),
+    Case("chunked", "bfloat16", chunk=5),
+    Case("plain", "float16", scale=100.0),
+    Case("chunked", "float16", chunk=5, scale=100.0),
+    Case("plain", "float32", uneven=True),
+    Case("chunked", "float32", chunk=4, uneven=True),
+    Case("chunked", "bfloat16", chunk=4, bias=-2.5, uneven=True),
+)
+TOLERANCES = {  # dtype: (loss rtol, feature-grad tol relative to max |ref|, scale-grad rtol)
+    "float32": (1e-5, 2e-5, 1e-4),
+    "bfloat16": (1e-5, 1.5e-2, 1e-4),
+    "float16": (1e-5, 3e-3, 1e-4),
+}
+
+
+def _cases_for(world: int) -> list[Case]:
+    return [c for c in CASES if not (c.uneven and world == 1)]
+
+
+def _inputs(case: Case, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-batch features, rounded to the case dtype (same on every process)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{case.name}/{world}".encode()))
+    total = sum(case.sizes(world))
+    image = F.normalize(torch.randn(total, DIM, generator=gen, dtype=torch.float64), dim=1)
+    text = F.normalize(image + 0.5 * torch.randn(total, DIM, generator=gen, dtype=torch.float64), dim=1)
+    dtype = getattr(torch, case.dtype)
+    return image.to(dtype), text.to(dtype)
+
+
+def _open_clip_loss_module() -> ModuleType | None:
+    """open_clip's ``loss.py`` loaded on its own, or None when open_clip_torch is not installed.
+
+    The module only imports torch; loading it by path skips the package ``__init__`` (timm, models,
+    tokenizers: seconds per spawned rank) while running the installed open_clip code unchanged.
+    """
+    spec = importlib.util.find_spec("open_clip")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "loss.py")
+    loss_spec = importlib.util.spec_from_file_location("_open_clip_loss_under_test", path)
+    module = importlib.util.module_from_spec(loss_spec)
+    loss_spec.loader.exec_module(module)
+    return module
+
+
+def _reference(image: torch.Tensor, text: torch.Tensor, scale: float, bias: float | None) -> dict:
+    """Single-process float64 full-batch CLIP loss, its gradients and accuracies."""
+    image = image.double().requires_grad_()
+    text = text.double().requires_grad_()
+    s = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
+    b = torch.tensor(0.0 if bias is None else bias, dtype=torch.float64, requires_grad=True)
+    logits = s * image @ text.T + b
+    targets = torch.arange(image.shape[0])
+    loss = (F.cross_entropy(logits, targets) + F.cross_entropy(logits.T, targets)) / 2
+    loss.backward()
+    return {
+        "loss": loss.detach(),
+        "grad_image": image.grad,
+        "grad_text": text.grad,
+        "grad_scale": s.grad,
+        "grad_bias": b.grad,
+        "acc_i2t": (logits.argmax(1) == targets).double().mean(),
+        "acc_t2i": (logits.T.argmax(1) == targets).double().mean(),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker (runs on every rank)
+# --------------------------------------------------------------------------------------------------
+
+
+def _dp_mean(t: torch.Tensor) -> torch.Tensor:
+    """Data-parallel mean over ranks, as DeepSpeed/DDP average gradients (computed in float64)."""
+    t = t.detach().double().clone()
+    dist.all_reduce(t)
+    return t / dist.get_world_size()
+
+
+def _run_case(loss_fn, case: Case, rank: int, world: int) -> dict:
+    image_full, text_full = (t.clone().requires_grad_() for t in _inputs(case, world))
+    sizes = case.sizes(world)
+    lo = sum(sizes[:rank])
+    rows = slice(lo, lo + sizes[rank])
+    scale = torch.tensor(case.scale, requires_grad=True)
+    bias = None if case.bias is None else torch.tensor(case.bias, requires_grad=True)
+    out = loss_fn(image_full[rows], text_full[rows], scale, bias)
+    if isinstance(out, dict):  # open_clip with output_dict
+        out = out["contrastive_loss"]
+    out.backward()
+    result = {
+        "loss": _dp_mean(out),
+        "loss_dtype": out.dtype,
+        "grad_image": _dp_mean(image_full.grad),
+        "grad_text": _dp_mean(text_full.grad),
+        "grad_scale": _dp_mean(scale.grad),
+        "grad_dtype": image_full.grad.dtype,
+    }
+    if bias is not None:
+        result["grad_bias"] = _dp_mean(bias.grad if bias.grad is not None else torch.zeros(()))
+    if isinstance(loss_fn, ClipLoss):
+        result["acc_i2t"] = _dp_mean(loss_fn.last_metrics["acc_i2t"])
+        result["acc_t2i"] = _dp_mean(loss_fn.last_metrics["acc_t2i"])
+    return result
+
+
+def _gather_check(rank: int, world: int) -> dict:
+    """all_gather_with_grad on two tensors of different trailing shapes and uneven rows."""
+    sizes = list(UNEVEN_ROWS[:world])
+    lo = sum(sizes[:rank])
+    a_full = torch.arange(sum(sizes) * 3, dtype=torch.float64).reshape(-1, 3)
+    b_full = -torch.arange(sum(sizes) * 4, dtype=torch.float64).reshape(-1, 2, 2)
+    a = a_full[lo : lo + sizes[rank]].clone().requires_grad_()
+    b = b_full[lo : lo + sizes[rank]].clone().requires_grad_()
+    ga, gb = all_gather_with_grad(a, b)
+    # integer weights keep every sum exact, so the gradients must match exactly
+    weight_a = (torch.arange(a_full.numel(), dtype=torch.float64) % 7 - 3).reshape(a_full.shape)
+    weight_b = (torch.arange(b_full.numel(), dtype=torch.float64) % 5 + 1).reshape(b_full.shape)
+    # rank-dependent upstream gradients: rank s sends (s + 1) * weight
+    ((ga * weight_a).sum() * (rank + 1) + (gb * weight_b).sum() * (rank + 1)).backward()
+    factor = world * (world + 1) / 2
+    return {
+        "forward_ok": torch.equal(ga, a_full) and torch.equal(gb, b_full),
+        "grad_a_err": (a.grad - factor * weight_a[lo : lo + sizes[rank]]).abs().max().item(),
+        "grad_b_err": (b.grad - factor * weight_b[lo : lo + sizes[rank]]).abs().max().item(),
+    }
+
+
+def _error_checks(rank: int, world: int) -> dict:
+    """Every rank must raise the same ValueError when one rank's inputs are bad."""
+    messages = {}
+    image, text = _inputs(Case("plain", "float32"), world)
+    rows = slice(rank * EQUAL_ROWS, (rank + 1) * EQUAL_ROWS)
+    for mode in LOSS_MODES:
+        x = image[rows].clone()
+        if rank == world - 1:
+            x[0, 0] = float("nan")
+        try:
+            ClipLoss(mode=mode)(x, text[rows], torch.tensor(10.0))
+            messages[f"nonfinite-{mode}"] = None
+        except ValueError as err:
+            messages[f"nonfinite-{mode}"] = str(err)
+    dim = DIM if rank else DIM // 2
+    try:
+        ClipLoss()(image[rows, :dim], text[rows, :dim], torch.tensor(10.0))
+        messages["dim"] = None
+    except ValueError as err:
+        messages["dim"] = str(err)
+    return messages
+
+
+def _worker(rank: int, world: int) -> dict:
+    results: dict = {"cases": {}, "open_clip": {}}
+    for case in _cases_for(world):
+        loss_fn = ClipLoss(mode=case.mode, chunk_size=case.chunk)
+        results["cases"][case.name] = _run_case(loss_fn, case, rank, world)
+    open_clip_loss = _open_clip_loss_module()
+    if open_clip_loss is None:
+        results["open_clip"] = None
+    else:
+        for case in _cases_for(world):
+            if case.mode == "plain" and case.dtype == "float32" and not case.uneven:
+                oc = open_clip_loss.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world)
+                results["open_clip"][case.name] = _run_case(oc, case, rank, world)
+    results["gather"] = _gather_check(rank, world) if world > 1 else None
+    results["errors"] = _error_checks(rank, world) if world > 1 else None
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def _world_results(world: int) -> list[dict]:
+    return run_distributed(_worker, world, timeout_s=240)
+
+
+# --------------------------------------------------------------------------------------------------
+# Multi-process tests
+# --------------------------------------------------------------------------------------------------
+
+
+def _assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    err = (actual - expected).abs().max().item()
+    bound = tol * expected.abs().max().item()
+    assert torch.isfinite(actual).all(), f"{what}: non-finite gradient"
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+def _assert_matches_reference(got: dict, ref: dict, case: Case) -> None:
+    loss_rtol, grad_tol, scale_rtol = TOLERANCES[case.dtype]
+    torch.testing.assert_close(got["loss"], ref["loss"], rtol=loss_rtol, atol=1e-7)
+    _assert_grad_close(got["grad_image"], ref["grad_image"], grad_tol, "image grad")
+    _assert_grad_close(got["grad_text"], ref["grad_text"], grad_tol, "text grad")
+    torch.testing.assert_close(got["grad_scale"], ref["grad_scale"], rtol=scale_rtol, atol=1e-7)
+    if case.bias is not None:  # softmax CE is shift invariant: the reference bias gradient is ~0
+        torch.testing.assert_close(got["grad_bias"], ref["grad_bias"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_matches_full_batch_reference_after_data_parallel_mean(world: int) -> None:
+    results = _world_results(world)
+    informative = []
+    for case in _cases_for(world):
+        image, text = _inputs(case, world)
+        ref = _reference(image, text, float(torch.tensor(case.scale)), case.bias)
+        got = results[0]["cases"][case.name]
+        try:
+            _assert_matches_reference(got, ref, case)
+            assert got["loss_dtype"] == torch.float32
+            assert got["grad_dtype"] == getattr(torch, case.dtype)
+            # accuracies: the mean over ranks of each rank's share is the full-batch accuracy
+            torch.testing.assert_close(got["acc_i2t"], ref["acc_i2t"], rtol=0, atol=1e-6)
+            torch.testing.assert_close(got["acc_t2i"], ref["acc_t2i"], rtol=0, atol=1e-6)
+            informative.append(0.0 < ref["acc_i2t"] < 1.0)
+        except AssertionError as err:
+            raise AssertionError(f"world {world}, case {case.name}: {err}") from err
+        for other in results[1:]:  # the data-parallel mean is the same on every rank
+            torch.testing.assert_close(other["cases"][case.name]["loss"], got["loss"], rtol=0, atol=0)
+    assert sum(informative) >= len(informative) // 2, "inputs should make the accuracies informative"
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_matches_open_clip(world: int) -> None:
+    if importlib.util.find_spec("open_clip") is None:
+        pytest.skip("open_clip_torch is not installed (bench extra)")
+    results = _world_results(world)
+    assert results[0]["open_clip"], "open_clip is installed here but was not found in the spawned ranks"
+    for case_name, theirs in results[0]["open_clip"].items():
+        case = next(c for c in CASES if c.name == case_name)
+        ours = results[0]["cases"][case_name]
+        image, text = _inputs(case, world)
+        ref = _reference(image, text, float(torch.tensor(case.scale)), case.bias)
+        _assert_matches_reference(theirs, ref, case)  # open_clip itself is right in this setup
+        torch.testing.assert_close(ours["loss"], theirs["loss"], rtol=1e-5, atol=1e-7)
+        for key in ("grad_image", "grad_text"):
+            _assert_grad_close(ours[key], theirs[key], 2e-5, f"{case_name} {key} vs open_clip")
+        torch.testing.assert_close(ours["grad_scale"], theirs["grad_scale"], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1])
+def test_all_gather_backward_is_reduce_scatter_sum(world: int) -> None:
+    for rank, res in enumerate(_world_results(world)):
+        check = res["gather"]
+        assert check["forward_ok"], f"rank {rank}: gathered values differ from the concatenation"
+        assert check["grad_a_err"] == 0.0 and check["grad_b_err"] == 0.0, f"rank {rank}: {check}"
+
+
+@pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1])
+def test_bad_input_on_one_rank_raises_on_every_rank(world: int) -> None:
+    for rank, res in enumerate(_world_results(world)):
+        errors = res["errors"]
+        for mode in LOSS_MODES:
+            msg = errors[f"nonfinite-{mode}"]
+            assert msg is not None and f"rank(s) [{world - 1}]" in msg, f"rank {rank}, {mode}: {msg}"
+        assert errors["dim"] is not None and "differ across ranks" in errors["dim"], f"rank {rank}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Single-process tests
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", sorted(LOSS_MODES))
+def test_without_process_group_matches_reference(mode: str) -> None:
+    assert not dist.is_initialized()
+    case = Case(mode, "float32", chunk=8, bias=1.5)
+    image, text = _inputs(case, 5)  # 35 rows, one process
+    x, y = image.clone().requires_grad_(), text.clone().requires_grad_()
+    scale, bias = torch.tensor(case.scale, requires_grad=True), torch.tensor(case.bias, requires_grad=True)
+    loss_fn = ClipLoss(mode=mode, chunk_size=case.chunk)
+    loss, metrics = loss_fn(x, y, scale, bias, return_metrics=True)
+    loss.backward()
+    ref = _reference(image, text, case.scale, case.bias)
+    got = {"loss": loss.double(), "grad_image": x.grad.double(), "grad_text": y.grad.double(),
+           "grad_scale": scale.grad.double(), "grad_bias": bias.grad.double()}
+    _assert_matches_reference(got, ref, case)
+    assert metrics is loss_fn.last_metrics
+    torch.testing.assert_close(metrics["acc_i2t"].double(), ref["acc_i2t"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(metrics["acc_t2i"].double(), ref["acc_t2i"], rtol=0, atol=1e-6)
+    assert not metrics["acc_i2t"].requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_and_chunked_agree_on_a_larger_batch(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    image = F.normalize(torch.randn(300, 64, generator=gen), dim=1).to(dtype)
+    text = F.normalize(image.float() + 0.7 * torch.randn(300, 64, generator=gen), dim=1).to(dtype)
+    outs = []
+    for mode in ("plain", "chunked"):
+        x, y = image.clone().requires_grad_(), text.clone().requires_grad_()
+        scale = torch.tensor(50.0, requires_grad=True)
+        loss = ClipLoss(mode=mode, chunk_size=128)(x, y, scale)
+        loss.backward()
+        outs.append((loss.detach(), x.grad.float(), y.grad.float(), scale.grad))
+    (lp, xp, yp, sp), (lc, xc, yc, sc) = outs
+    torch.testing.assert_close(lc, lp, rtol=1e-5, atol=0)
+    torch.testing.assert_close(sc, sp, rtol=1e-4, atol=1e-7)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    _assert_grad_close(xc, xp, tol, "image grad")
+    _assert_grad_close(yc, yp, tol, "text grad")
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor produced by an operator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_chunked_never_materialises_the_logit_block() -> None:
+    rows, dim, chunk = 512, 8, 64
+    gen = torch.Generator().manual_seed(4)
+    image = F.normalize(torch.randn(rows, dim, generator=gen), dim=1)
+    text = F.normalize(torch.randn(rows, dim, generator=gen), dim=1)
+    largest = {}
+    for mode in ("plain", "chunked"):
+        x, y = image.clone().requires_grad_(), text.clone().requires_grad_()
+        scale = torch.tensor(20.0, requires_grad=True)
+        with _LargestTensor() as probe:
+            ClipLoss(mode=mode, chunk_size=chunk)(x, y, scale).backward()
+        largest[mode] = probe.largest
+    assert largest["plain"] >= rows * rows  # the probe does see the block when it exists
+    assert largest["chunked"] <= max(chunk * chunk, 2 * rows * dim), largest
+
+
+def test_fp16_at_scale_100_stays_finite_where_fp16_logits_overflow() -> None:
+    gen = torch.Generator().manual_seed(5)
+    image = F.normalize(torch.randn(64, 32, generator=gen), dim=1)
+    text = F.normalize(image + 0.3 * torch.randn(64, 32, generator=gen), dim=1)
+    x16, y16 = image.half(), text.half()
+    naive = (100.0 * x16 @ y16.T).exp().sum(1)  # what an fp16 log-sum-exp without a max would do
+    assert not torch.isfinite(naive).all()
+    ref = _reference(x16, y16, 100.0, None)
+    for mode in LOSS_MODES:
+        x, y = x16.clone().requires_grad_(), y16.clone().requires_grad_()
+        scale = torch.tensor(100.0, requires_grad=True)
+        loss = ClipLoss(mode=mode, chunk_size=24)(x, y, scale)
+        loss.backward()
+        torch.testing.assert_close(loss.double(), ref["loss"], rtol=1e-5, atol=1e-7)
+        _assert_grad_close(x.grad.double(), ref["grad_image"], 3e-3, f"{mode} image grad")
+        torch.testing.assert_close(scale.grad.double(), ref["grad_scale"], rtol=1e-4, atol=1e-7)
+
+
+def test_input_errors() -> None:
+    x = F.normalize(torch.randn(4, 8), dim=1)
+    s = torch.tensor(10.0)
+    with pytest.raises(ValueError, match="unknown ClipLoss mode"):
+        ClipLoss(mode="nope")
+    with pytest.raises(ValueError, match="chunk_size"):
+        ClipLoss(mode="chunked", chunk_size=0)
+    for mode in LOSS_MODES:
+        loss_fn = ClipLoss(mode=mode)
+        with pytest.raises(ValueError, match=r"\(M, D\)"):
+            loss_fn(x, x[:3], s)
+        with pytest.raises(ValueError, match="dtype"):
+            loss_fn(x, x.double(), s)
+        with pytest.raises(ValueError, match="single value"):
+            loss_fn(x, x, torch.ones(2))
+        with pytest.raises(ValueError, match="single value"):
+            loss_fn(x, x, s, torch.zeros(3))
+        with pytest.raises(ValueError, match="empty"):
+            loss_fn(x[:0], x[:0], s)
+        bad = x.clone()
+        bad[1, 2] = float("inf")
+        with pytest.raises(ValueError, match="non-finite"):
+            loss_fn(bad, x, s)
+        with pytest.raises(ValueError, match="non-finite"):
+            loss_fn(x, x, torch.tensor(float("nan")))
