@@ -1,0 +1,387 @@
+"""The two-tower CLIP model, its config dataclasses, presets and :func:`create_model`.
+
+Usage::
+
+    from recipe.model import create_model
+    model = create_model("ViT-B-32")        # OpenCLIP ViT-B-32 layout, 151,277,313 parameters
+    model = create_model("tiny")            # CPU-sized
+    model = create_model(image_encoder="resnet50", text_encoder="bert-base", embed_dim=512)
+    img = model.encode_image(pixels)        # [B, embed_dim], L2-normalised
+    txt = model.encode_text(input_ids, attention_mask)
+    img, txt, scale = model(pixels, input_ids, attention_mask)   # scale = logit_scale.exp()
+    model.clamp_logit_scale_()              # after every optimizer step
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recipe.encoders import ImageTower, TextTower, create_image_tower, create_text_tower
+
+__all__ = ["ImageTowerConfig", "TextTowerConfig", "CLIPConfig", "CLIP", "PRESETS", "create_model"]
+
+INIT_LOGIT_SCALE = math.log(1 / 0.07)
+MAX_LOGIT_SCALE = 100.0
+
+
+@dataclass
+class ImageTowerConfig:
+    """Image tower settings (see :func:`recipe.encoders.create_image_tower`).
+
+    Attributes:
+        name: timm model name.
+        weights: Optional local state-dict file.
+        image_size: Input resolution for the data pipeline (defaults to the timm model's).
+        mean: Normalisation mean override.
+        std: Normalisation std override.
+        timm_kwargs: Extra ``timm.create_model`` keyword arguments.
+    """
+
+    name: str
+    weights: str | None = None
+    image_size: int | None = None
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    timm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TextTowerConfig:
+    """Text tower settings (see :func:`recipe.encoders.create_text_tower`).
+
+    Attributes:
+        name: Built-in config name, config JSON path or local model directory.
+        pooling: ``eos``, ``cls``, ``mean`` or ``last``; ``None`` picks the architecture's default.
+        overrides: transformers config attributes to set (vocab size, token ids...).
+        context_length: Sequence length; ``None`` keeps the config's.
+        load_weights: Load weights from a directory that has them.
+    """
+
+    name: str
+    pooling: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    context_length: int | None = None
+    load_weights: bool = True
+
+
+@dataclass
+class CLIPConfig:
+    """Full model settings.
+
+    Attributes:
+        image: Image tower settings.
+        text: Text tower settings.
+        embed_dim: Shared embedding width.
+        init_logit_scale: Initial log temperature, ``log(1/0.07)`` as in CLIP.
+        max_logit_scale: Clamp for ``exp(logit_scale)``, 100 as in CLIP.
+        proj_bias: Whether the projections have biases (CLIP's do not).
+    """
+
+    image: ImageTowerConfig
+    text: TextTowerConfig
+    embed_dim: int = 512
+    init_logit_scale: float = INIT_LOGIT_SCALE
+    max_logit_scale: float = MAX_LOGIT_SCALE
+    proj_bias: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (for saving with a checkpoint)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CLIPConfig":
+        """Inverse of :meth:`to_dict`."""
+        data = dict(data)
+        image = ImageTowerConfig(**data.pop("image"))
+        text = TextTowerConfig(**data.pop("text"))
+        for key in ("mean", "std"):
+            value = getattr(image, key)
+            if value is not None:
+                setattr(image, key, tuple(value))
+        return cls(image=image, text=text, **data)
+
+
+class CLIP(nn.Module):
+    """Two towers, linear projections to a shared width, L2 normalisation and a learnable
+    temperature stored in log space.
+
+    Attributes:
+        visual: The image tower.
+        text: The text tower.
+        image_proj: Linear map from ``visual.width`` to ``embed_dim``.
+        text_proj: Linear map from ``text.width`` to ``embed_dim``.
+        logit_scale: 0-d parameter, ``log`` of the logit multiplier.
+        config: The :class:`CLIPConfig` the model was built from.
+    """
+
+    def __init__(self, visual: ImageTower, text: TextTower, config: CLIPConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.visual = visual
+        self.text = text
+        self.image_proj = nn.Linear(visual.width, config.embed_dim, bias=config.proj_bias)
+        self.text_proj = nn.Linear(text.width, config.embed_dim, bias=config.proj_bias)
+        # OpenCLIP's projection init: N(0, width^-1/2).
+        nn.init.normal_(self.image_proj.weight, std=visual.width**-0.5)
+        nn.init.normal_(self.text_proj.weight, std=text.width**-0.5)
+        for proj in (self.image_proj, self.text_proj):
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+        self.logit_scale = nn.Parameter(torch.tensor(float(config.init_logit_scale)))
+        self.max_log_logit_scale = math.log(config.max_logit_scale)
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of the shared embedding space."""
+        return self.config.embed_dim
+
+    @property
+    def context_length(self) -> int:
+        """Longest token sequence the text tower takes."""
+        return self.text.context_length
+
+    def image_data_config(self) -> dict[str, Any]:
+        """timm data config of the image tower (``input_size``, ``mean``, ``std``, ...)."""
+        return self.visual.data_config()
+
+    def encode_image(self, pixels: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        """Image embeddings ``[B, embed_dim]``, L2-normalised unless ``normalize=False``."""
+        features = self.image_proj(self.visual(pixels))
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def encode_text(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        normalize: bool = True,
+    ) -> torch.Tensor:
+        """Text embeddings ``[B, embed_dim]``, L2-normalised unless ``normalize=False``.
+
+        ``attention_mask`` defaults to the non-pad tokens (see ``TextTower.default_attention_mask``).
+        """
+        features = self.text_proj(self.text(input_ids, attention_mask))
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def forward(
+        self,
+        pixels: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns ``(image_features, text_features, logit_scale.exp())``."""
+        return self.encode_image(pixels), self.encode_text(input_ids, attention_mask), self.logit_scale.exp()
+
+    @torch.no_grad()
+    def clamp_logit_scale_(self) -> None:
+        """Clamps ``logit_scale`` in place to ``[0, log(max_logit_scale)]``; call after every step.
+
+        Under ZeRO-3 the parameter is partitioned: gather it first (``deepspeed.zero.GatheredParameters``
+        with ``modifier_rank``) or clamp the partition the optimizer owns.
+        """
+        self.logit_scale.clamp_(0.0, self.max_log_logit_scale)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Activation checkpointing on both towers (the transformers tower only in training mode)."""
+        self.visual.set_grad_checkpointing(enable)
+        self.text.set_grad_checkpointing(enable)
+
+
+def _vit_b_32() -> CLIPConfig:
+    return CLIPConfig(
+        image=ImageTowerConfig("vit_base_patch32_clip_224"),
+        text=TextTowerConfig("clip-text"),
+        embed_dim=512,
+    )
+
+
+def _tiny() -> CLIPConfig:
+    return CLIPConfig(
+        image=ImageTowerConfig(
+            "vit_tiny_patch16_224",
+            timm_kwargs=dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2),
+        ),
+        text=TextTowerConfig("clip-text-tiny"),
+        embed_dim=64,
+    )
+
+
+def _tiny_resnet() -> CLIPConfig:
+    return CLIPConfig(
+        image=ImageTowerConfig(
+            "resnet18",
+            image_size=32,
+            timm_kwargs=dict(layers=(1, 1, 1, 1), channels=(16, 32, 64, 128), stem_width=16),
+        ),
+        text=TextTowerConfig("bert-tiny"),
+        embed_dim=64,
+    )
+
+
+def _tiny_convnext() -> CLIPConfig:
+    return CLIPConfig(
+        image=ImageTowerConfig(
+            "convnext_atto",
+            image_size=32,
+            timm_kwargs=dict(depths=(1, 1, 1, 1), dims=(16, 32, 64, 128)),
+        ),
+        text=TextTowerConfig("roberta-tiny"),
+        embed_dim=64,
+    )
+
+
+PRESETS: dict[str, Any] = {
+    "ViT-B-32": _vit_b_32,
+    "tiny": _tiny,
+    "tiny-resnet": _tiny_resnet,
+    "tiny-convnext": _tiny_convnext,
+}
+"""Preset name -> function returning a fresh :class:`CLIPConfig`.
+
+``ViT-B-32`` reproduces OpenCLIP's ViT-B-32 (timm ``vit_base_patch32_clip_224`` + a 12-layer,
+width-512, 8-head, context-77, 49,408-token CLIP text transformer, embed 512). The ``tiny*`` presets
+run on CPU: 32x32 images, 2-layer width-64 text towers with a 4,096-token vocabulary.
+"""
+
+
+def create_model(
+    preset: str | None = None,
+    *,
+    config: CLIPConfig | None = None,
+    image_encoder: str | None = None,
+    text_encoder: str | os.PathLike | None = None,
+    embed_dim: int | None = None,
+    image_weights: str | os.PathLike | None = None,
+    image_size: int | None = None,
+    image_kwargs: dict[str, Any] | None = None,
+    text_pooling: str | None = None,
+    text_overrides: dict[str, Any] | None = None,
+    context_length: int | None = None,
+    text_load_weights: bool | None = None,
+    tokenizer: Any | None = None,
+    init_logit_scale: float | None = None,
+    max_logit_scale: float | None = None,
+) -> CLIP:
+    """Builds a :class:`CLIP` model from a preset, a config, or encoder names.
+
+    Keyword arguments override the preset (or ``config``). Giving ``image_encoder`` or
+    ``text_encoder`` replaces that tower's settings wholesale (the preset's timm kwargs or text
+    overrides would not fit another architecture); ``image_kwargs``/``text_overrides`` then apply
+    to the new tower. Without a preset or config both encoder names are required.
+
+    Args:
+        preset: A :data:`PRESETS` key.
+        config: A full :class:`CLIPConfig` (e.g. from a checkpoint), instead of a preset.
+        image_encoder: timm model name.
+        text_encoder: Built-in text config name, config JSON path or local model directory.
+        embed_dim: Shared embedding width.
+        image_weights: Local state-dict file for the image tower.
+        image_size: Input resolution for the data config.
+        image_kwargs: Extra ``timm.create_model`` keyword arguments (merged into the preset's).
+        text_pooling: ``eos``, ``cls``, ``mean`` or ``last``.
+        text_overrides: transformers config attributes (merged into the preset's).
+        context_length: Text context length.
+        text_load_weights: Whether to load weights from a text directory that has them.
+        tokenizer: A :class:`recipe.tokenizer.Tokenizer`: its vocabulary size and special-token ids
+            are written into the text config (unless the tower loads pretrained weights, in which case
+            they are checked against it) and its context length is used when none is given.
+        init_logit_scale: Initial ``logit_scale`` (log space).
+        max_logit_scale: Clamp of ``exp(logit_scale)``.
+
+    Returns:
+        The model, with the resolved config in ``model.config``.
+    """
+    if config is not None and preset is not None:
+        raise ValueError("give a preset or a config, not both")
+    if config is not None:
+        cfg = copy.deepcopy(config)
+    elif preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+        cfg = PRESETS[preset]()
+    else:
+        if image_encoder is None or text_encoder is None:
+            raise ValueError("without a preset, give both image_encoder and text_encoder")
+        cfg = CLIPConfig(image=ImageTowerConfig(image_encoder), text=TextTowerConfig(str(text_encoder)))
+    if image_encoder is not None and image_encoder != cfg.image.name:
+        cfg.image = ImageTowerConfig(image_encoder)
+    if text_encoder is not None and str(text_encoder) != cfg.text.name:
+        cfg.text = TextTowerConfig(str(text_encoder))
+    if embed_dim is not None:
+        cfg.embed_dim = int(embed_dim)
+    if image_weights is not None:
+        cfg.image.weights = str(image_weights)
+    if image_size is not None:
+        cfg.image.image_size = int(image_size)
+    if image_kwargs:
+        cfg.image.timm_kwargs = {**cfg.image.timm_kwargs, **image_kwargs}
+    if text_pooling is not None:
+        cfg.text.pooling = text_pooling
+    if text_overrides:
+        cfg.text.overrides = {**cfg.text.overrides, **text_overrides}
+    if text_load_weights is not None:
+        cfg.text.load_weights = bool(text_load_weights)
+    if context_length is not None:
+        cfg.text.context_length = int(context_length)
+    if init_logit_scale is not None:
+        cfg.init_logit_scale = float(init_logit_scale)
+    if max_logit_scale is not None:
+        cfg.max_logit_scale = float(max_logit_scale)
+
+    if tokenizer is not None:
+        _apply_tokenizer(cfg, tokenizer)
+
+    visual = create_image_tower(
+        cfg.image.name,
+        weights=cfg.image.weights,
+        image_size=cfg.image.image_size,
+        mean=cfg.image.mean,
+        std=cfg.image.std,
+        **cfg.image.timm_kwargs,
+    )
+    text = create_text_tower(
+        cfg.text.name,
+        pooling=cfg.text.pooling,
+        overrides=cfg.text.overrides,
+        context_length=cfg.text.context_length,
+        load_weights=cfg.text.load_weights,
+    )
+    if tokenizer is not None:
+        check_tokenizer_fits(text, tokenizer)
+    return CLIP(visual, text, cfg)
+
+
+def _text_tower_has_weights(text: TextTowerConfig) -> bool:
+    from recipe.encoders import resolve_text_config
+
+    return text.load_weights and resolve_text_config(text.name)[1] is not None
+
+
+def _apply_tokenizer(cfg: CLIPConfig, tokenizer: Any) -> None:
+    if cfg.text.context_length is None:
+        cfg.text.context_length = int(tokenizer.context_length)
+    if not _text_tower_has_weights(cfg.text):
+        cfg.text.overrides = {**cfg.text.overrides, **tokenizer.text_config_overrides()}
+
+
+def check_tokenizer_fits(text: TextTower, tokenizer: Any) -> None:
+    """Raises ``ValueError`` when ``tokenizer`` produces ids or lengths ``text`` cannot take."""
+    vocab = int(text.config.vocab_size)
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the text tower only {vocab}")
+    if tokenizer.context_length > text.context_length:
+        raise ValueError(
+            f"tokenizer context length {tokenizer.context_length} exceeds the text tower's {text.context_length}"
+        )
+    if text.pooling == "eos" and text.eos_token_id != tokenizer.eos_token_id:
+        raise ValueError(
+            f"text tower pools at eos id {text.eos_token_id} but the tokenizer's eos id is {tokenizer.eos_token_id}"
+        )

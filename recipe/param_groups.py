@@ -1,0 +1,173 @@
+"""Optimizer parameter groups for the CLIP model, following the CLIP paper's training details.
+
+Weight decay ("decoupled weight decay regularization ... to all weights that are not gains or
+biases", Radford et al. 2021) applies to:
+
+* every weight matrix and convolution kernel (projections included),
+* embedding tables: token, position and type embeddings, timm's ``pos_embed``/``cls_token``
+  (they are weights, neither gains nor biases; ``decay_embeddings=False`` exempts them).
+
+No decay for:
+
+* gains: the parameters of normalisation layers (LayerNorm, BatchNorm, GroupNorm, RMSNorm, ...)
+  and layer-scale factors (any parameter with fewer than 2 dimensions that is not a bias),
+* biases (names ending in ``bias``),
+* the logit scale.
+
+Precision: the text tower is marked ``master_weights=False`` (half-precision weights updated with
+stochastic rounding), the image tower ``master_weights=True`` (an fp32 master copy), the logit scale
+``master_weights=True``. All of this is configurable. The groups carry the keys
+``optim.SRAdamW`` reads (``weight_decay``, ``master_weights``, optionally ``lr`` and
+``state_dtype``) plus a ``name``; torch optimizers keep unknown keys, so the groups also work with
+``torch.optim.AdamW``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["param_groups", "tower_of", "is_no_decay"]
+
+_TOWER_PREFIXES = {
+    "visual.": "image",
+    "image_proj.": "image",
+    "text.": "text",
+    "text_proj.": "text",
+}
+
+
+def tower_of(name: str) -> str:
+    """``"image"``, ``"text"`` or ``"logit_scale"`` for a :class:`recipe.model.CLIP` parameter name.
+
+    Raises:
+        ValueError: a parameter outside the known parts (so none is silently dropped).
+    """
+    if name == "logit_scale":
+        return "logit_scale"
+    for prefix, tower in _TOWER_PREFIXES.items():
+        if name.startswith(prefix):
+            return tower
+    raise ValueError(f"parameter {name!r} belongs to no known part of the CLIP model")
+
+
+def _is_norm(module: nn.Module) -> bool:
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.modules.batchnorm._NormBase)):
+        return True
+    # Norms outside torch (e.g. LlamaRMSNorm, T5LayerNorm) own 1-d gains, caught by the ndim rule.
+    return hasattr(nn, "RMSNorm") and isinstance(module, nn.RMSNorm)
+
+
+def _is_embedding(module: nn.Module, local_name: str, param: torch.Tensor) -> bool:
+    if isinstance(module, nn.Embedding):
+        return True
+    # Free-standing learned tokens/tables, e.g. timm's pos_embed, cls_token, reg_token.
+    if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)) or _is_norm(module):
+        return False
+    return param.ndim >= 2 and ("embed" in local_name or "token" in local_name)
+
+
+def is_no_decay(module: nn.Module, local_name: str, param: torch.Tensor, decay_embeddings: bool = True) -> bool:
+    """Whether a parameter is exempt from weight decay (gain, bias, or embedding when asked).
+
+    Args:
+        module: The module that owns the parameter directly.
+        local_name: The parameter's name within ``module`` (e.g. ``"weight"``).
+        param: The parameter.
+        decay_embeddings: When ``False``, embedding tables are exempt too.
+    """
+    if local_name.endswith("bias"):
+        return True
+    if _is_norm(module) or param.ndim < 2:
+        return True
+    if not decay_embeddings and _is_embedding(module, local_name, param):
+        return True
+    return False
+
+
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    *,
+    text_master_weights: bool = False,
+    image_master_weights: bool = True,
+    logit_scale_master_weights: bool = True,
+    decay_embeddings: bool = True,
+    image_lr: float | None = None,
+    text_lr: float | None = None,
+    logit_scale_lr: float | None = None,
+    text_state_dtype: torch.dtype | None = None,
+    image_state_dtype: torch.dtype | None = None,
+) -> list[dict[str, Any]]:
+    """Splits a :class:`recipe.model.CLIP` model's trainable parameters into optimizer groups.
+
+    Groups (empty ones are left out), each with ``name``, ``params``, ``weight_decay`` and
+    ``master_weights``, and ``lr`` / ``state_dtype`` when given:
+
+    * ``image.decay`` / ``image.no_decay``: image tower and ``image_proj``,
+    * ``text.decay`` / ``text.no_decay``: text tower and ``text_proj``,
+    * ``logit_scale``: never decayed.
+
+    Parameters with ``requires_grad=False`` are left out.
+
+    Args:
+        model: The CLIP model.
+        weight_decay: Decay of the decayed groups.
+        text_master_weights: fp32 master copy for the text tower (default ``False``: its weights
+            are kept in half precision and updated with stochastic rounding).
+        image_master_weights: fp32 master copy for the image tower (default ``True``).
+        logit_scale_master_weights: fp32 master copy for the logit scale.
+        decay_embeddings: Decay embedding tables (CLIP: yes, they are weights).
+        image_lr: Learning rate of the image groups (default: the optimizer's).
+        text_lr: Learning rate of the text groups.
+        logit_scale_lr: Learning rate of the logit-scale group.
+        text_state_dtype: Optimizer state dtype of the text groups (``state_dtype`` key).
+        image_state_dtype: Optimizer state dtype of the image groups.
+
+    Returns:
+        The list of group dicts, each trainable parameter in exactly one.
+
+    Raises:
+        ValueError: a parameter outside the image tower, text tower, projections and logit scale.
+    """
+    settings = {
+        "image": dict(master_weights=image_master_weights, lr=image_lr, state_dtype=image_state_dtype),
+        "text": dict(master_weights=text_master_weights, lr=text_lr, state_dtype=text_state_dtype),
+        "logit_scale": dict(master_weights=logit_scale_master_weights, lr=logit_scale_lr, state_dtype=None),
+    }
+    buckets: dict[str, list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for local_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen or not param.requires_grad:
+                continue
+            seen.add(id(param))
+            full_name = f"{module_name}.{local_name}" if module_name else local_name
+            tower = tower_of(full_name)
+            if tower == "logit_scale":
+                key = "logit_scale"
+            elif is_no_decay(module, local_name, param, decay_embeddings):
+                key = f"{tower}.no_decay"
+            else:
+                key = f"{tower}.decay"
+            buckets.setdefault(key, []).append(param)
+
+    groups = []
+    for key in ("image.decay", "image.no_decay", "text.decay", "text.no_decay", "logit_scale"):
+        if key not in buckets:
+            continue
+        tower = key.split(".")[0]
+        group: dict[str, Any] = {
+            "name": key,
+            "params": buckets[key],
+            "weight_decay": float(weight_decay) if key.endswith(".decay") else 0.0,
+            "master_weights": bool(settings[tower]["master_weights"]),
+        }
+        if settings[tower]["lr"] is not None:
+            group["lr"] = float(settings[tower]["lr"])
+        if settings[tower]["state_dtype"] is not None:
+            group["state_dtype"] = settings[tower]["state_dtype"]
+        groups.append(group)
+    return groups
