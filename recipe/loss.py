@@ -217,6 +217,11 @@ def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
     return a.float() @ b.float()
 
 
+def _no_autocast(device: torch.device) -> torch.autocast:
+    """Context disabling autocast: the loss chooses its own precisions."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def _grad_matmul_dtype(feature_dtype: torch.dtype) -> torch.dtype:
     """Dtype of the softmax-gradient matrix in the feature-gradient matmuls (see module docstring)."""
     return torch.bfloat16 if feature_dtype == torch.bfloat16 else torch.float32
@@ -233,9 +238,10 @@ class _MatmulF32(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
         a, b = ctx.saved_tensors
-        g = grad.to(_grad_matmul_dtype(a.dtype))
-        grad_a = _mm_f32(g, b.mT).to(a.dtype) if ctx.needs_input_grad[0] else None
-        grad_b = _mm_f32(a.mT, g).to(b.dtype) if ctx.needs_input_grad[1] else None
+        with _no_autocast(a.device):
+            g = grad.to(_grad_matmul_dtype(a.dtype))
+            grad_a = _mm_f32(g, b.mT).to(a.dtype) if ctx.needs_input_grad[0] else None
+            grad_b = _mm_f32(a.mT, g).to(b.dtype) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b
 
 
@@ -298,6 +304,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_ce, _grad_arg):  # noqa: D102
+        with _no_autocast(grad_ce.device):
+            return _ChunkedCrossEntropy._backward(ctx, grad_ce)
+
+    @staticmethod
+    def _backward(ctx, grad_ce):
         a, b, scale, row_max, log_sum = ctx.saved_tensors
         offset, chunk = ctx.offset, ctx.chunk
         need_a, need_b, need_s = ctx.needs_input_grad[:3]
@@ -562,7 +573,8 @@ class ClipLoss(nn.Module):
             offset = sum(sizes[:rank])
 
         batch = GatheredBatch(image, text, all_image, all_text, offset)
-        out = LOSS_MODES[self.mode](batch, scale, bias, self.chunk_size)
+        with _no_autocast(image.device):  # keep the fp32 logits even inside an autocast region
+            out = LOSS_MODES[self.mode](batch, scale, bias, self.chunk_size)
         weight = world / sum(sizes)
         loss = (out.ce_i2t.sum() + out.ce_t2i.sum()) * (weight / 2)
         metrics = {

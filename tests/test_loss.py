@@ -418,6 +418,25 @@ def test_fp16_at_scale_100_stays_finite_where_fp16_logits_overflow() -> None:
         torch.testing.assert_close(scale.grad.double(), ref["grad_scale"], rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("mode", sorted(LOSS_MODES))
+def test_autocast_region_keeps_fp32_logits(mode: str) -> None:
+    gen = torch.Generator().manual_seed(6)
+    image = F.normalize(torch.randn(40, 32, generator=gen), dim=1)
+    text = F.normalize(image + 0.5 * torch.randn(40, 32, generator=gen), dim=1)
+    results = []
+    for autocast in (False, True):
+        x, y = image.clone().requires_grad_(), text.clone().requires_grad_()
+        scale = torch.tensor(80.0, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = ClipLoss(mode=mode, chunk_size=16)(x, y, scale)
+        loss.backward()
+        results.append((loss.detach(), x.grad, scale.grad))
+    (l0, g0, s0), (l1, g1, s1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)  # bf16 logits would be off by ~1e-2
+    _assert_grad_close(g1, g0, 1e-5, "image grad under autocast")
+    torch.testing.assert_close(s1, s0, rtol=1e-5, atol=0)
+
+
 def test_input_errors() -> None:
     x = F.normalize(torch.randn(4, 8), dim=1)
     s = torch.tensor(10.0)
