@@ -92,6 +92,7 @@ def sradamw_update_(
     grad_mul: torch.Tensor | float | None = None,
     weight_rounding: Rounding = "stochastic",
     state_rounding: Rounding = "stochastic",
+    clamp: tuple[float, float] | None = None,
     chunk_size: int | None = None,
 ) -> None:
     """One AdamW step on one tensor, in place, processed in chunks of ``chunk_size`` elements.
@@ -115,6 +116,8 @@ def sradamw_update_(
         grad_mul: Multiplies the gradient first (an inverse loss scale), scalar or 0-dim tensor.
         weight_rounding: How half-precision weights are written: ``"stochastic"`` or ``"nearest"``.
         state_rounding: How half-precision statistics are written.
+        clamp: Optional ``(min, max)``: the updated float32 weight is projected into this range
+            before it is written (e.g. CLIP's logit-scale clamp, applied to the master).
         chunk_size: Elements per chunk; default ``CPU_CHUNK`` on the CPU, ``DEVICE_CHUNK`` elsewhere.
     """
     if chunk_size is None:
@@ -153,6 +156,8 @@ def sradamw_update_(
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
         w.addcdiv_(m, denom, value=-step_size)
+        if clamp is not None:
+            w.clamp_(clamp[0], clamp[1])
 
         if exp_avg_scales is not None:
             m.div_(exp_avg_scales[1])

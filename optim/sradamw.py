@@ -50,6 +50,9 @@ def _validate_group(group: dict[str, Any]) -> None:
     for name in ("weight_rounding", "state_rounding"):
         if group[name] not in _ROUNDINGS:
             raise ValueError(f"Invalid {name}: {group[name]!r} (must be 'stochastic' or 'nearest')")
+    clamp = group.get("clamp")
+    if clamp is not None and not (isinstance(clamp, (tuple, list)) and len(clamp) == 2 and float(clamp[0]) <= float(clamp[1])):
+        raise ValueError(f"Invalid clamp: {clamp!r} (must be None or a (min, max) pair with min <= max)")
     for p in group["params"]:
         if p.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"Invalid params: dtype {p.dtype} is not float32, bfloat16 or float16")
@@ -81,7 +84,9 @@ class SRAdamW(Optimizer):
 
     Args:
         params: Parameters or parameter groups. Groups may override every keyword below except
-            ``seed``, ``rank``, ``nonfinite``, ``check_finite`` and ``process_group``.
+            ``seed``, ``rank``, ``nonfinite``, ``check_finite`` and ``process_group``. A group may
+            also set ``clamp=(min, max)``: its weights (the master, when kept) are projected into
+            that range after every update, before rounding.
         lr: Learning rate.
         betas: Decay rates of the first and second moments.
         eps: Term added to the denominator.
@@ -283,6 +288,7 @@ class SRAdamW(Optimizer):
                     grad_mul=grad_mul,
                     weight_rounding=group["weight_rounding"],
                     state_rounding=group["state_rounding"],
+                    clamp=group.get("clamp"),
                 )
                 if param is not p:
                     p.copy_(param)

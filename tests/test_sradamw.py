@@ -361,3 +361,16 @@ def test_invalid_group_and_param_dtype() -> None:
         SRAdamW([{"params": make_params(), "lr": -2.0}])
     with pytest.raises(ValueError, match="params"):
         SRAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+
+
+def test_group_clamp_projects_the_update() -> None:
+    # A group clamp keeps the weight (and its fp32 master) in range: CLIP's logit-scale clamp.
+    p = torch.nn.Parameter(torch.tensor([4.5, 0.05], dtype=torch.bfloat16))
+    opt = SRAdamW([{"params": [p], "clamp": (0.0, math.log(100)), "master_weights": True}], lr=0.5, weight_decay=0.0)
+    p.grad = torch.tensor([-1.0, 1.0], dtype=torch.bfloat16)  # pushes 4.5 up and 0.05 down
+    opt.step()
+    master = opt.state[p]["master"]
+    assert master.tolist() == [pytest.approx(math.log(100)), 0.0]
+    assert torch.equal(p, master.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="clamp"):
+        SRAdamW([{"params": [torch.nn.Parameter(torch.zeros(1))], "clamp": (1.0, 0.0)}])
