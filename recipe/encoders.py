@@ -85,6 +85,7 @@ def _image_data_config(
     image_size: int | tuple[int, int] | None,
     mean: tuple[float, ...] | None,
     std: tuple[float, ...] | None,
+    crop_pct: float | None = None,
 ) -> dict[str, Any]:
     """Resolves timm's data config for ``trunk`` and applies the size/normalisation overrides."""
     from timm.data import resolve_model_data_config
@@ -103,6 +104,10 @@ def _image_data_config(
             if len(value) != in_chans:
                 raise ValueError(f"{key} has {len(value)} entries for {in_chans} input channels")
             cfg[key] = value
+    if crop_pct is not None:
+        if not 0.0 < crop_pct <= 1.0:
+            raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
+        cfg["crop_pct"] = float(crop_pct)
     return cfg
 
 
@@ -113,6 +118,7 @@ def create_image_tower(
     image_size: int | tuple[int, int] | None = None,
     mean: tuple[float, ...] | None = None,
     std: tuple[float, ...] | None = None,
+    crop_pct: float | None = None,
     **timm_kwargs: Any,
 ) -> ImageTower:
     """Builds a timm image tower by model name.
@@ -128,6 +134,8 @@ def create_image_tower(
             the resolution the data pipeline produces.
         mean: Per-channel normalisation mean overriding timm's default for the model.
         std: Per-channel normalisation std overriding timm's default for the model.
+        crop_pct: Evaluation centre-crop fraction overriding timm's (1.0: resize the shorter side
+            to the input size and crop the centre, as CLIP evaluates).
         **timm_kwargs: Passed to ``timm.create_model`` (``img_size``, ``patch_size``, ``depth``,
             ``embed_dim``, ``layers``, ``channels``, ``dims``, ``depths``, ``drop_path_rate``...).
 
@@ -138,7 +146,7 @@ def create_image_tower(
         FileNotFoundError: ``weights`` does not exist.
         ValueError: bad arguments (an unknown model name raises timm's own error).
     """
-    for reserved in ("pretrained", "num_classes", "pretrained_cfg_overlay"):
+    for reserved in ("pretrained", "num_classes", "pretrained_cfg_overlay", "pretrained_cfg"):
         if reserved in timm_kwargs:
             raise ValueError(f"{reserved!r} is set by create_image_tower; use weights= for a local file")
     create_kwargs: dict[str, Any] = dict(timm_kwargs)
@@ -152,7 +160,7 @@ def create_image_tower(
     else:
         create_kwargs["pretrained"] = False
     trunk = timm.create_model(name, num_classes=0, **create_kwargs)
-    data_config = _image_data_config(trunk, timm_kwargs, image_size, mean, std)
+    data_config = _image_data_config(trunk, timm_kwargs, image_size, mean, std, crop_pct)
     return ImageTower(trunk, name, data_config)
 
 

@@ -19,7 +19,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,8 @@ __all__ = ["ImageTowerConfig", "TextTowerConfig", "CLIPConfig", "CLIP", "PRESETS
 
 INIT_LOGIT_SCALE = math.log(1 / 0.07)
 MAX_LOGIT_SCALE = 100.0
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass
@@ -43,6 +45,7 @@ class ImageTowerConfig:
         image_size: Input resolution for the data pipeline (defaults to the timm model's).
         mean: Normalisation mean override.
         std: Normalisation std override.
+        crop_pct: Evaluation centre-crop fraction override (the presets use 1.0, as CLIP).
         timm_kwargs: Extra ``timm.create_model`` keyword arguments.
     """
 
@@ -51,6 +54,7 @@ class ImageTowerConfig:
     image_size: int | None = None
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
+    crop_pct: float | None = None
     timm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -197,7 +201,12 @@ class CLIP(nn.Module):
 
 def _vit_b_32() -> CLIPConfig:
     return CLIPConfig(
-        image=ImageTowerConfig("vit_base_patch32_clip_224"),
+        image=ImageTowerConfig(
+            "vit_base_patch32_clip_224",
+            mean=OPENAI_CLIP_MEAN,
+            std=OPENAI_CLIP_STD,
+            crop_pct=1.0,
+        ),
         text=TextTowerConfig("clip-text"),
         embed_dim=512,
     )
@@ -207,6 +216,7 @@ def _tiny() -> CLIPConfig:
     return CLIPConfig(
         image=ImageTowerConfig(
             "vit_tiny_patch16_224",
+            crop_pct=1.0,
             timm_kwargs=dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2),
         ),
         text=TextTowerConfig("clip-text-tiny"),
@@ -219,6 +229,7 @@ def _tiny_resnet() -> CLIPConfig:
         image=ImageTowerConfig(
             "resnet18",
             image_size=32,
+            crop_pct=1.0,
             timm_kwargs=dict(layers=(1, 1, 1, 1), channels=(16, 32, 64, 128), stem_width=16),
         ),
         text=TextTowerConfig("bert-tiny"),
@@ -231,6 +242,7 @@ def _tiny_convnext() -> CLIPConfig:
         image=ImageTowerConfig(
             "convnext_atto",
             image_size=32,
+            crop_pct=1.0,
             timm_kwargs=dict(depths=(1, 1, 1, 1), dims=(16, 32, 64, 128)),
         ),
         text=TextTowerConfig("roberta-tiny"),
@@ -238,7 +250,7 @@ def _tiny_convnext() -> CLIPConfig:
     )
 
 
-PRESETS: dict[str, Any] = {
+PRESETS: dict[str, Callable[[], CLIPConfig]] = {
     "ViT-B-32": _vit_b_32,
     "tiny": _tiny,
     "tiny-resnet": _tiny_resnet,
@@ -248,7 +260,8 @@ PRESETS: dict[str, Any] = {
 
 ``ViT-B-32`` reproduces OpenCLIP's ViT-B-32 (timm ``vit_base_patch32_clip_224`` + a 12-layer,
 width-512, 8-head, context-77, 49,408-token CLIP text transformer, embed 512). The ``tiny*`` presets
-run on CPU: 32x32 images, 2-layer width-64 text towers with a 4,096-token vocabulary.
+run on CPU: 32x32 images, 2-layer width-64 text towers with a 4,096-token vocabulary. All presets
+evaluate with ``crop_pct=1.0`` (resize the shorter side, centre crop), as CLIP does.
 """
 
 
@@ -345,6 +358,7 @@ def create_model(
         image_size=cfg.image.image_size,
         mean=cfg.image.mean,
         std=cfg.image.std,
+        crop_pct=cfg.image.crop_pct,
         **cfg.image.timm_kwargs,
     )
     text = create_text_tower(

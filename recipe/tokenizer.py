@@ -315,7 +315,8 @@ def load_tokenizer(
         backend = getattr(hf, "backend_tokenizer", None)
         if backend is None:
             raise ValueError(f"{path}: {type(hf).__name__} has no `tokenizers` backend")
-        return Tokenizer(backend, special or _special_from_transformers(hf), int(context_length or DEFAULT_CONTEXT_LENGTH))
+        found = _special_from_transformers(hf)
+        return Tokenizer(backend, special or found, int(context_length or DEFAULT_CONTEXT_LENGTH))
     if json_path.is_file():
         if special is None:
             raise ValueError(f"{path} has a bare tokenizer.json; pass special=SpecialTokens(...)")

@@ -333,6 +333,8 @@ def test_vit_b_32_matches_openclip_parameter_count():
     cfg = model.image_data_config()
     assert cfg["input_size"] == (3, 224, 224)
     assert cfg["mean"] == pytest.approx((0.48145466, 0.4578275, 0.40821073))
+    assert cfg["std"] == pytest.approx((0.26862954, 0.26130258, 0.27577711))
+    assert cfg["crop_pct"] == 1.0 and cfg["interpolation"] == "bicubic"
     with torch.device("meta"):
         img = model.encode_image(torch.empty(2, 3, 224, 224))
     assert img.shape == (2, 512)
@@ -393,9 +395,9 @@ def test_image_tower_bad_inputs(tmp_path):
 
 def test_image_data_config_overrides():
     tower = create_image_tower("resnet18", image_size=48, mean=(0.1, 0.2, 0.3), std=(1.0, 2.0, 3.0),
-                               layers=(1, 1, 1, 1))
+                               crop_pct=1.0, layers=(1, 1, 1, 1))
     cfg = tower.data_config()
-    assert cfg["input_size"] == (3, 48, 48)
+    assert cfg["input_size"] == (3, 48, 48) and cfg["crop_pct"] == 1.0
     assert cfg["mean"] == (0.1, 0.2, 0.3) and cfg["std"] == (1.0, 2.0, 3.0)
     assert {"interpolation", "crop_pct", "crop_mode"} <= set(cfg)
     from timm.data import create_transform
@@ -403,8 +405,16 @@ def test_image_data_config_overrides():
     transform = create_transform(**cfg, is_training=True)
     from PIL import Image
 
-    out = transform(Image.new("RGB", (100, 70), (255, 0, 0)))
+    assert transform(Image.new("RGB", (100, 70), (255, 0, 0))).shape == (3, 48, 48)
+    out = create_transform(**cfg, is_training=False)(Image.new("RGB", (100, 70), (255, 0, 0)))
     assert out.shape == (3, 48, 48)
+    # Red normalised with the configured mean/std.
+    torch.testing.assert_close(out[:, 10, 10], torch.tensor([(1 - 0.1) / 1.0, (0 - 0.2) / 2.0, (0 - 0.3) / 3.0]))
+    with pytest.raises(ValueError, match="crop_pct"):
+        create_image_tower("resnet18", crop_pct=1.5)
+    for preset in PRESETS:
+        if preset != "ViT-B-32":
+            assert create_model(preset).image_data_config()["crop_pct"] == 1.0
 
 
 def test_text_tower_from_config_json_and_directories(tmp_path):

@@ -123,6 +123,14 @@ def test_save_load_round_trip(tok, tmp_path):
         assert hf(text)["input_ids"] == tok.encode(text)
 
 
+def test_pickle_round_trip_for_worker_processes(tok):
+    import pickle
+
+    again = pickle.loads(pickle.dumps(tok))
+    texts = CAPTIONS[:5] + [" ".join(CAPTIONS[:5])]
+    assert torch.equal(again(texts)["input_ids"], tok(texts)["input_ids"])
+
+
 def test_tokenizer_without_template_still_gets_bos_and_eos(tok, tmp_path):
     """A bare tokenizer.json whose post-processor adds nothing (GPT-2 style)."""
     from tokenizers import Tokenizer as HFTokenizer
