@@ -242,13 +242,15 @@ def test_logit_scale_init_and_clamp():
 
 
 class _RetainedStorages(TorchDispatchMode):
-    """Records every storage an op creates; after the forward, the ones still alive (other than
-    parameters and inputs) are what autograd keeps for the backward."""
+    """Records every storage an op creates, tagged with the current ``phase``; after the forward,
+    the ones still alive (other than parameters and inputs) are what autograd keeps for the
+    backward."""
 
     def __init__(self, exclude: set[int]):
         super().__init__()
         self.exclude = exclude
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.phase = ""
+        self.refs: dict[int, tuple[StorageWeakRef, int, str]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -256,21 +258,34 @@ class _RetainedStorages(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 # An address is only reused after its storage was freed, so overwriting is right.
-                self.refs[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+                self.refs[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes(), self.phase)
         return out
 
-    def alive_bytes(self) -> int:
-        gc.collect()
-        return sum(n for ptr, (ref, n) in self.refs.items() if not ref.expired() and ptr not in self.exclude)
+    def alive_bytes(self, phase: str) -> int:
+        return sum(n for ptr, (ref, n, ph) in self.refs.items()
+                   if ph == phase and not ref.expired() and ptr not in self.exclude)
 
 
-def _retained_bytes(model, fn, inputs) -> int:
+def _retained_bytes(model, pixels, ids, mask) -> tuple[int, int]:
+    """Bytes kept for the backward by the image tower and by the text tower."""
+    inputs = [pixels, ids, mask]
     exclude = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *inputs]}
     mode = _RetainedStorages(exclude)
-    with mode:
-        out = fn(*inputs).square().sum()
-    retained = mode.alive_bytes()
-    del out
+    gc.freeze()  # the collection below then only scans objects made by this forward: fast
+    try:
+        with mode:
+            mode.phase = "image"
+            img = model.encode_image(pixels)
+            mode.phase = "text"
+            txt = model.encode_text(ids, mask)
+            mode.phase = "loss"
+            out = img.square().sum() + txt.square().sum()
+        del img, txt
+        gc.collect()
+        retained = mode.alive_bytes("image"), mode.alive_bytes("text")
+        del out
+    finally:
+        gc.unfreeze()
     return retained
 
 
@@ -293,12 +308,10 @@ def test_grad_checkpointing_lowers_memory_same_grads(preset):
     pixels = _pixels(model, 8)
     ids, mask = _tokens(model, 8)
 
-    base = (_retained_bytes(model, model.encode_image, [pixels]),
-            _retained_bytes(model, model.encode_text, [ids, mask]))
+    base = _retained_bytes(model, pixels, ids, mask)
     ref = _grads(model, pixels, ids, mask)
     model.set_grad_checkpointing(True)
-    ckpt = (_retained_bytes(model, model.encode_image, [pixels]),
-            _retained_bytes(model, model.encode_text, [ids, mask]))
+    ckpt = _retained_bytes(model, pixels, ids, mask)
     got = _grads(model, pixels, ids, mask)
     image_bound, text_bound = CKPT_RATIO[preset]
     assert ckpt[0] < image_bound * base[0], (ckpt, base)
@@ -307,9 +320,38 @@ def test_grad_checkpointing_lowers_memory_same_grads(preset):
         torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)
 
     model.set_grad_checkpointing(False)
-    again = (_retained_bytes(model, model.encode_image, [pixels]),
-             _retained_bytes(model, model.encode_text, [ids, mask]))
-    assert again == base
+    assert _retained_bytes(model, pixels, ids, mask) == base
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_vit_b_32_checkpointing_lowers_cuda_peak_memory():
+    """The allocator's own peak: activations of a ViT-B-32 step with and without checkpointing."""
+    torch.manual_seed(0)
+    model = create_model("ViT-B-32").cuda().train()
+    batch = 128
+    pixels = torch.randn(batch, 3, 224, 224, device="cuda")
+    ids, mask = _tokens(model, batch)
+    ids, mask = ids.cuda(), mask.cuda()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        img, txt, scale = model(pixels, ids, mask)
+        (scale * img @ txt.T).logsumexp(dim=1).sum().backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - start
+        return peak, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    base_peak, ref = step()
+    model.set_grad_checkpointing(True)
+    ckpt_peak, got = step()
+    assert ckpt_peak < 0.5 * base_peak, (ckpt_peak, base_peak)
+    for name in ref:
+        scale = ref[name].abs().max().clamp_min(1e-12)
+        torch.testing.assert_close(got[name] / scale, ref[name] / scale, rtol=0, atol=1e-3, msg=name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,12 +540,18 @@ def test_context_length_sizes_position_table():
         tower(ids, torch.ones_like(ids))  # every position is usable
 
 
-def test_config_round_trip():
-    model = create_model("tiny", embed_dim=48, text_overrides={"vocab_size": 1000})
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "ViT-B-32"])
+def test_config_round_trip_through_json(preset):
+    model = create_model(preset, embed_dim=48, text_overrides={"vocab_size": 1000}, context_length=24)
     data = json.loads(json.dumps(model.config.to_dict()))
     again = create_model(config=CLIPConfig.from_dict(data))
-    assert again.config == model.config
+    assert again.config.to_dict() == json.loads(json.dumps(model.config.to_dict()))
     assert [(n, p.shape) for n, p in again.named_parameters()] == [(n, p.shape) for n, p in model.named_parameters()]
+    assert again.image_data_config() == model.image_data_config()
+    assert again.context_length == 24 and again.text.config.vocab_size == 1000
+
+
+def test_bad_model_arguments():
     with pytest.raises(ValueError, match="unknown preset"):
         create_model("ViT-Z-99")
     with pytest.raises(ValueError, match="both"):
