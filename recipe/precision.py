@@ -1,0 +1,174 @@
+"""Precision modes, read from the DeepSpeed JSON (which owns precision, batch size and ZeRO).
+
+Three modes:
+
+* **bf16** (``"bf16": {"enabled": true, ...}``, ZeRO 1/2/3): DeepSpeed casts the model to bf16.
+  With ``bf16_master_weights_and_grads`` + ``bf16_optimizer_states`` the ZeRO partitions handed to
+  SRAdamW are bf16: SR groups are updated in place with stochastic rounding and keep bf16 Adam
+  states; mastered groups keep an fp32 master (and fp32 states) inside SRAdamW's state, sharded with
+  the partition. Without those two flags DeepSpeed keeps its usual fp32 partitions.
+* **fp16** (``"fp16": {"enabled": true, ...}`` with ZeRO stage 0): DeepSpeed offers fp16 master
+  weights only with its CPU Adam and otherwise wraps a client optimizer in an fp32-master
+  ``FP16_Optimizer``. This recipe therefore takes the ``fp16`` section (and ``gradient_clipping``)
+  out of the config handed to DeepSpeed, casts the model to fp16 itself, and runs dynamic loss
+  scaling with the section's own parameters; the inverse loss scale and the clipping factor reach
+  SRAdamW as one gradient multiplier, applied in fp32 inside the update, and steps with inf/NaN
+  gradients are skipped by SRAdamW and shrink the scale. There is no ZeRO sharding in this mode,
+  and the recipe all-reduces the (scaled, fp16) gradients itself with :func:`allreduce_gradients`:
+  DeepSpeed's own all-reduce refuses fp16 gradients on CPUs without native fp16 support.
+* **fp32**: no precision section; everything fp32 (the reference).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Precision", "DynamicLossScaler", "resolve_precision", "ConfigError", "allreduce_gradients"]
+
+
+class ConfigError(ValueError):
+    """An invalid or unsupported configuration."""
+
+
+@dataclass
+class DynamicLossScaler:
+    """Dynamic loss scaling with DeepSpeed's ``fp16`` section semantics.
+
+    The scale starts at ``2**initial_scale_power``; an overflow (a skipped step) halves it once
+    ``hysteresis`` overflows have been seen since the last change, never below ``min_loss_scale``;
+    ``loss_scale_window`` steps without overflow double it.
+    """
+
+    scale: float = 2.0**16
+    window: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+    good_steps: int = 0
+    overflows_left: int = 2
+
+    @classmethod
+    def from_section(cls, section: dict[str, Any]) -> "DynamicLossScaler":
+        if section.get("loss_scale", 0) not in (0, 0.0):
+            raise ConfigError("fp16.loss_scale (a static scale) is not supported by the SR fp16 route; use 0 (dynamic)")
+        hysteresis = int(section.get("hysteresis", 2))
+        return cls(
+            scale=2.0 ** int(section.get("initial_scale_power", 16)),
+            window=int(section.get("loss_scale_window", 1000)),
+            hysteresis=hysteresis,
+            min_scale=float(section.get("min_loss_scale", 1)),
+            overflows_left=hysteresis,
+        )
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.good_steps = 0
+            self.overflows_left -= 1
+            if self.overflows_left <= 0:
+                self.scale = max(self.scale / 2, self.min_scale)
+                self.overflows_left = self.hysteresis
+            return
+        self.good_steps += 1
+        if self.good_steps % self.window == 0:
+            self.scale *= 2
+            self.overflows_left = self.hysteresis
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+@dataclass
+class Precision:
+    """What the recipe must do for the precision the DeepSpeed JSON asks for."""
+
+    mode: str  # "bf16" | "fp16" | "fp32"
+    zero_stage: int
+    param_dtype: torch.dtype
+    sr_state_dtype: torch.dtype  # Adam state dtype of the SR (no-master) groups
+    half_master_partitions: bool  # ZeRO hands SRAdamW half-precision partitions
+    loss_scaler: DynamicLossScaler | None = None  # fp16 route only
+    recipe_clip: float = 0.0  # gradient clipping done by the recipe (fp16 route only)
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode}/zero{self.zero_stage}"
+
+
+def resolve_precision(ds_config: dict[str, Any]) -> tuple[Precision, dict[str, Any]]:
+    """Reads the precision from a DeepSpeed config dict.
+
+    Returns:
+        The :class:`Precision` and the config to hand to ``deepspeed.initialize`` (unchanged except
+        on the fp16 route, where the ``fp16`` section and ``gradient_clipping`` are taken over).
+
+    Raises:
+        ConfigError: On contradictory or unsupported settings.
+    """
+    cfg = copy.deepcopy(ds_config)
+    bf16 = cfg.get("bf16", cfg.get("bfloat16", {})) or {}
+    fp16 = cfg.get("fp16", {}) or {}
+    stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
+    if bf16.get("enabled") and fp16.get("enabled"):
+        raise ConfigError("the DeepSpeed config enables both bf16 and fp16")
+    if bf16.get("enabled"):
+        half_master = bool(bf16.get("bf16_master_weights_and_grads"))
+        half_states = bool(bf16.get("bf16_optimizer_states"))
+        if half_states and not half_master:
+            raise ConfigError("bf16.bf16_optimizer_states requires bf16.bf16_master_weights_and_grads")
+        if half_master and stage == 0:
+            raise ConfigError("bf16.bf16_master_weights_and_grads needs ZeRO stage 1, 2 or 3")
+        prec = Precision("bf16", stage, torch.bfloat16, torch.bfloat16 if half_states else torch.float32, half_master)
+        return prec, cfg
+    if fp16.get("enabled"):
+        if stage != 0:
+            raise ConfigError(
+                "fp16 SR weights need ZeRO stage 0: DeepSpeed's ZeRO keeps fp32 masters for fp16 "
+                "unless its CPU Adam is used (see README, 'Precision modes')"
+            )
+        clip = float(cfg.pop("gradient_clipping", 0.0) or 0.0)
+        if not math.isfinite(clip) or clip < 0:
+            raise ConfigError(f"gradient_clipping must be a finite number >= 0, got {clip}")
+        scaler = DynamicLossScaler.from_section(fp16)
+        cfg.pop("fp16")
+        prec = Precision("fp16", 0, torch.float16, torch.float16, True, scaler, clip)
+        return prec, cfg
+    return Precision("fp32", stage, torch.float32, torch.float32, False), cfg
+
+
+def allreduce_gradients(params: list[torch.Tensor], bucket_bytes: int = 1 << 26) -> None:
+    """Averages the gradients of ``params`` over the data-parallel ranks, in flat per-dtype buckets.
+
+    Overflow of the summed scaled fp16 gradients shows up as inf and makes the step skip.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    world = dist.get_world_size()
+    grads = [p.grad for p in params if p.grad is not None]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for group in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for g in group + [None]:
+            if g is not None:
+                bucket.append(g)
+                size += g.numel() * g.element_size()
+            if bucket and (g is None or size >= bucket_bytes):
+                flat = torch.cat([b.reshape(-1) for b in bucket])
+                dist.all_reduce(flat)
+                flat.div_(world)
+                offset = 0
+                for b in bucket:
+                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    offset += b.numel()
+                bucket, size = [], 0
