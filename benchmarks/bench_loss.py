@@ -6,7 +6,9 @@ Compares, on the same inputs (world size 1, L2-normalised random features, logit
   * open_clip's ``ClipLoss`` (``open_clip_torch``, bench extra), if installed.
 
 Time: median wall time of ``--repeats`` forward+backward passes after ``--warmup`` passes (CUDA:
-synchronised before and after each pass). Peak memory "beyond the inputs" (the inputs being the two
+synchronised before and after each pass); on CPU also the median process CPU time of a pass, which
+tells a busy machine (wall >> CPU / threads) from a slow implementation. On a shared machine use
+``--threads 1``: oversubscribed OpenMP threads slow the many small ops of the chunked mode most. Peak memory "beyond the inputs" (the inputs being the two
 ``B x D`` feature tensors and the scale) is measured over one forward+backward pass after the
 warm-up (so that one-time costs such as loading code pages or thread pools are not counted), with
 the gradients freed before it, so the pass also allocates the feature gradients:
@@ -125,7 +127,7 @@ def run_once(fn: LossFn, image, text, scale) -> float:
 
 
 def measure(fn: LossFn, inputs, device: torch.device, warmup: int, repeats: int, cpu_rss: CpuPeakRss):
-    """Returns ``(median ms, peak extra MiB or None, loss)``."""
+    """Returns ``(median wall ms, median process CPU ms, peak extra MiB or None, loss)``."""
     for _ in range(warmup):
         run_once(fn, *inputs)
     for t in inputs:
@@ -144,16 +146,17 @@ def measure(fn: LossFn, inputs, device: torch.device, warmup: int, repeats: int,
             cpu_rss.start()
         loss = run_once(fn, *inputs)
         peak = cpu_rss.stop_mib() if cpu_rss.available else None
-    times = []
+    times, cpu_times = [], []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         run_once(fn, *inputs)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), peak, loss
+        cpu_times.append((time.process_time() - c0) * 1e3)
+    return statistics.median(times), statistics.median(cpu_times), peak, loss
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -188,28 +191,30 @@ def main(argv: list[str] | None = None) -> None:
     mem_method = "torch.cuda.max_memory_allocated" if gpu else ("peak RSS (VmHWM) growth" if cpu_rss.available else "n/a")
     print(f"# bench_loss: {name}; torch {torch.__version__}; dtype {str(dtype).removeprefix('torch.')}; "
           f"world size 1; fwd+bwd median of {repeats}; memory = {mem_method} beyond the inputs\n")
-    print("| B | D | implementation | fwd+bwd ms | peak extra MiB | loss |")
-    print("|---:|---:|---|---:|---:|---:|")
+    cpu_col = "" if gpu else " CPU ms |"
+    print(f"| B | D | implementation | fwd+bwd ms |{cpu_col} peak extra MiB | loss |")
+    print("|---:|---:|---|---:|" + ("" if gpu else "---:|") + "---:|---:|")
     for batch in batches:
         for dim in dims:
             inputs = make_inputs(batch, dim, dtype, device)
             for impl, fn in impls.items():
                 if fn is None:
-                    print(f"| {batch} | {dim} | {impl} | not installed | | |")
+                    print(f"| {batch} | {dim} | {impl} | not installed |{cpu_col and ' |'} | |")
                     continue
                 try:
-                    ms, peak, loss = measure(fn, inputs, device, args.warmup, repeats, cpu_rss)
+                    ms, cpu_ms, peak, loss = measure(fn, inputs, device, args.warmup, repeats, cpu_rss)
                 except (RuntimeError, MemoryError) as err:
                     if not _is_oom(err):
                         raise
-                    print(f"| {batch} | {dim} | {impl} | OOM | | |")
+                    print(f"| {batch} | {dim} | {impl} | OOM |{cpu_col and ' |'} | |")
                     continue
                 finally:
                     gc.collect()
                     if gpu:
                         torch.cuda.empty_cache()
                 peak_s = "n/a" if peak is None else f"{peak:.1f}"
-                print(f"| {batch} | {dim} | {impl} | {ms:.1f} | {peak_s} | {loss:.6f} |", flush=True)
+                cpu_s = "" if gpu else f" {cpu_ms:.1f} |"
+                print(f"| {batch} | {dim} | {impl} | {ms:.1f} |{cpu_s} {peak_s} | {loss:.6f} |", flush=True)
             del inputs
 
 

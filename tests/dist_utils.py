@@ -19,8 +19,8 @@ the default process group (gloo, CPU) before calling ``fn`` and destroys it afte
 The function must be importable by the children (defined at module level of an importable module)
 and its arguments and return value picklable; results travel back through ``torch.save`` files, so
 tensors are fine. If any rank raises, the others are terminated and the parent raises
-``torch.multiprocessing.ProcessRaisedException`` carrying the child's traceback; if the ranks do not
-finish within ``timeout_s`` they are terminated and ``TimeoutError`` is raised. Spawn each world size
+``RuntimeError`` carrying the traceback of the rank that failed first; if the ranks do not finish
+within ``timeout_s`` they are terminated and ``TimeoutError`` is raised. Spawn each world size
 once per test module and run several checks inside the worker: starting processes costs seconds.
 """
 
@@ -31,6 +31,7 @@ import os
 import socket
 import tempfile
 import time
+import traceback
 from typing import Any, Callable
 
 import torch
@@ -83,9 +84,31 @@ def _rank_entry(
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         if dist.is_initialized():
             dist.barrier()
+    except BaseException:
+        # time-stamped, so that the parent can report the rank that failed first rather than a
+        # peer's "connection closed" error
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _first_failure(out_dir: str, world_size: int, name: str) -> str:
+    failures = []
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"rank{rank}.err")
+        if os.path.exists(path):
+            with open(path) as f:
+                stamp, _, trace = f.read().partition("\n")
+            failures.append((float(stamp), rank, trace))
+    if not failures:
+        return f"a rank of {name} died without a Python exception (see the chained exception)"
+    failures.sort()
+    _, rank, trace = failures[0]
+    others = [r for _, r, _ in failures[1:]]
+    return f"rank {rank} of {name} failed first (later failures on ranks {others}):\n{trace}"
 
 
 def run_distributed(
@@ -115,8 +138,9 @@ def run_distributed(
         The results, indexed by rank.
 
     Raises:
-        torch.multiprocessing.ProcessRaisedException: A rank raised (its traceback is included).
-        torch.multiprocessing.ProcessExitedException: A rank died without a Python exception.
+        RuntimeError: A rank raised or died; the message holds the traceback of the rank that
+            failed first (the others typically fail on the broken connection), the chained
+            exception the multiprocessing error.
         TimeoutError: The ranks did not finish within ``timeout_s``.
     """
     if world_size < 1:
@@ -147,6 +171,8 @@ def run_distributed(
             while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{world_size} ranks of {fn.__name__} did not finish in {timeout_s} s")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            raise RuntimeError(_first_failure(out_dir, world_size, fn.__name__)) from err
         finally:
             for proc in ctx.processes:
                 if proc.is_alive():
