@@ -201,9 +201,10 @@ def all_gather_with_grad(
 
 @functools.lru_cache(maxsize=None)
 def _cuda_has_out_dtype_mm(dtype: torch.dtype) -> bool:
-    try:
-        a = torch.ones(2, 2, dtype=dtype, device="cuda")
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    try:  # probe with the layouts used here: a column slice of a wider buffer, transposed
+        a = torch.ones(3, 8, dtype=dtype, device="cuda")[:, :4]
+        out = torch.mm(a, a.mT, out_dtype=torch.float32)
+        return out.dtype == torch.float32 and bool((out == 4).all())
     except (RuntimeError, TypeError):
         return False
 

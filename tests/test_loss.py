@@ -437,6 +437,46 @@ def test_autocast_region_keeps_fp32_logits(mode: str) -> None:
     torch.testing.assert_close(s1, s0, rtol=1e-5, atol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_matches_reference_and_chunked_saves_memory(dtype: str) -> None:
+    """The CUDA paths (fp32-output 16-bit matmuls) against the float64 reference; memory order."""
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(7)
+    image = F.normalize(torch.randn(1000, 64, generator=gen, dtype=torch.float64), dim=1)
+    text = F.normalize(image + 0.5 * torch.randn(1000, 64, generator=gen, dtype=torch.float64), dim=1)
+    image, text = image.to(getattr(torch, dtype)), text.to(getattr(torch, dtype))
+    ref = _reference(image, text, 100.0, None)
+    loss_rtol, grad_tol, scale_rtol = TOLERANCES[dtype]
+    for mode in LOSS_MODES:
+        x, y = image.to(device).requires_grad_(), text.to(device).requires_grad_()
+        scale = torch.tensor(100.0, device=device, requires_grad=True)
+        loss = ClipLoss(mode=mode, chunk_size=256)(x, y, scale)
+        loss.backward()
+        torch.testing.assert_close(loss.double().cpu(), ref["loss"], rtol=loss_rtol, atol=1e-7)
+        _assert_grad_close(x.grad.double().cpu(), ref["grad_image"], grad_tol, f"{mode} image grad")
+        _assert_grad_close(y.grad.double().cpu(), ref["grad_text"], grad_tol, f"{mode} text grad")
+        torch.testing.assert_close(scale.grad.double().cpu(), ref["grad_scale"], rtol=scale_rtol, atol=1e-7)
+    rows, dim, chunk = 8192, 64, 512
+    x = F.normalize(torch.randn(rows, dim, device=device), dim=1).to(getattr(torch, dtype)).requires_grad_()
+    y = F.normalize(torch.randn(rows, dim, device=device), dim=1).to(getattr(torch, dtype)).requires_grad_()
+    scale = torch.tensor(100.0, device=device, requires_grad=True)
+    extra = {}
+    for mode in LOSS_MODES:
+        x.grad = y.grad = scale.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        ClipLoss(mode=mode, chunk_size=chunk)(x, y, scale).backward()
+        torch.cuda.synchronize()
+        extra[mode] = torch.cuda.max_memory_allocated() - base
+    block = rows * rows * 4  # one fp32 logit block
+    assert extra["plain"] >= block, extra
+    # tiles plus fp32 (B, D) accumulators plus the feature gradients: far below one block
+    assert extra["chunked"] <= 8 * chunk * chunk * 4 + 8 * rows * dim * 4, extra
+
+
 def test_input_errors() -> None:
     x = F.normalize(torch.randn(4, 8), dim=1)
     s = torch.tensor(10.0)
