@@ -21,6 +21,17 @@ from .rounding import derive_key
 __all__ = ["SRAdamW"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FUSED_MODULE: Any = None
+
+
+def _fused_kernel() -> Any:
+    """``optim.triton_kernel`` when Triton is usable, else ``None`` (imported on first use only)."""
+    global _FUSED_MODULE
+    if _FUSED_MODULE is None:
+        from . import triton_kernel
+
+        _FUSED_MODULE = triton_kernel
+    return _FUSED_MODULE if _FUSED_MODULE.is_available() else None
 _ROUNDINGS = ("stochastic", "nearest")
 _NONFINITE = ("skip", "raise")
 
@@ -102,7 +113,11 @@ class SRAdamW(Optimizer):
         check_finite: Check gradients for inf/NaN before each step.
         process_group: Group over which the non-finite flag is reduced (default: the world group
             when ``torch.distributed`` is initialised).
-        fused: Reserved for the fused GPU kernel; ``None`` or ``False`` use the PyTorch path.
+        fused: ``None`` (default) updates CUDA tensors with the fused Triton kernel when Triton
+            imports and every other tensor with the PyTorch path; ``True`` forces the kernel
+            (CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set before the first fused
+            step); ``False`` always uses the PyTorch path. Both paths compute the same update with
+            the same noise (see ``optim.triton_kernel`` for the bit-exactness notes).
 
     Example:
         >>> model = torch.nn.Linear(4, 4).to(torch.bfloat16)
@@ -136,8 +151,12 @@ class SRAdamW(Optimizer):
             raise ValueError(f"Invalid rank: {rank!r} (must be None or a non-negative int)")
         if nonfinite not in _NONFINITE:
             raise ValueError(f"Invalid nonfinite: {nonfinite!r} (must be 'skip' or 'raise')")
-        if fused:
-            raise ValueError("Invalid fused: the fused GPU kernel is not available in this build")
+        if fused not in (None, True, False):
+            raise ValueError(f"Invalid fused: {fused!r} (must be None, True or False)")
+        if fused and _fused_kernel() is None:
+            from .triton_kernel import unavailable_reason
+
+            raise ValueError(f"Invalid fused: fused=True needs Triton ({unavailable_reason()})")
         defaults = dict(
             lr=lr,
             betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
@@ -154,7 +173,17 @@ class SRAdamW(Optimizer):
         self.check_finite = check_finite
         self.process_group = process_group
         self.skipped_steps = 0
+        self.fused = fused
         super().__init__(params, defaults)
+        if fused:
+            runs_on = "cpu" if _fused_kernel().interpreting() else "cuda"
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.device.type != runs_on:
+                        raise ValueError(
+                            f"Invalid fused: fused=True runs on {runs_on} tensors here, got a parameter on "
+                            f"{p.device} (TRITON_INTERPRET=1 runs the kernel on CPU tensors)"
+                        )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a group after validating its hyperparameters (``ValueError`` names a bad one)."""
@@ -185,6 +214,14 @@ class SRAdamW(Optimizer):
             flag = flag.reshape(1)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
         return bool(flag.item())
+
+    def _use_fused(self, p: torch.Tensor) -> bool:
+        if self.fused is None:
+            if p.device.type != "cuda":
+                return False
+            kernel = _fused_kernel()
+            return kernel is not None and not kernel.interpreting()
+        return bool(self.fused)
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
@@ -245,6 +282,7 @@ class SRAdamW(Optimizer):
             return loss
 
         rank = self._rank()
+        fused_steps: dict[torch.device, list[Any]] = {}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -269,6 +307,17 @@ class SRAdamW(Optimizer):
                     state["exp_avg_sq_bound"].mul_(beta2).add_(g_amax * g_amax, alpha=1 - beta2)
                     m_scales = (m_old, state_scale(state["exp_avg_bound"]))
                     v_scales = (v_old, state_scale(state["exp_avg_sq_bound"]))
+                if self._use_fused(p):
+                    fused_steps.setdefault(p.device, []).append(
+                        _fused_kernel().TensorStep(
+                            p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=t, lr=float(group["lr"]),
+                            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                            keys=keys, master=state.get("master"), exp_avg_scales=m_scales,
+                            exp_avg_sq_scales=v_scales, weight_rounding=group["weight_rounding"],
+                            state_rounding=group["state_rounding"], clamp=group.get("clamp"),
+                        )
+                    )
+                    continue
                 param = p if p.is_contiguous() else p.contiguous()
                 sradamw_update_(
                     param,
@@ -292,6 +341,8 @@ class SRAdamW(Optimizer):
                 )
                 if param is not p:
                     p.copy_(param)
+        for items in fused_steps.values():  # one launch per dtype group and device
+            _fused_kernel().sradamw_fused_(items, grad_mul=grad_mul)
         return loss
 
     # ------------------------------------------------------------------------------------------
