@@ -8,10 +8,12 @@ Compares, on the same inputs (world size 1, L2-normalised random features, logit
 Time: median wall time of ``--repeats`` forward+backward passes after ``--warmup`` passes (CUDA:
 synchronised before and after each pass); on CPU also the median process CPU time of a pass, which
 tells a busy machine (wall >> CPU / threads) from a slow implementation. On a shared machine use
-``--threads 1``: oversubscribed OpenMP threads slow the many small ops of the chunked mode most. Peak memory "beyond the inputs" (the inputs being the two
-``B x D`` feature tensors and the scale) is measured over one forward+backward pass after the
-warm-up (so that one-time costs such as loading code pages or thread pools are not counted), with
-the gradients freed before it, so the pass also allocates the feature gradients:
+``--threads 1``: oversubscribed OpenMP threads slow the many small ops of the chunked mode most.
+
+Peak memory "beyond the inputs" (the inputs being the two ``B x D`` feature tensors and the scale)
+is measured over one forward+backward pass after the warm-up (so that one-time costs such as
+loading code pages or thread pools are not counted), with the gradients freed before it, so the
+pass also allocates the feature gradients:
   * CUDA: ``torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()`` before the pass,
     after ``reset_peak_memory_stats``;
   * CPU: the rise of the process's peak resident set size (``VmHWM`` in ``/proc/self/status``) over
@@ -19,6 +21,7 @@ the gradients freed before it, so the pass also allocates the feature gradients:
     ``malloc_trim(0)`` and resetting ``VmHWM`` through ``/proc/self/clear_refs``. This counts every
     page the pass touches (allocator overhead included), so it is an upper bound of the live tensor
     bytes; Linux only, "n/a" elsewhere.
+
 The loss column shows that all implementations compute the same value.
 
 Usage:
@@ -33,7 +36,6 @@ import argparse
 import ctypes
 import ctypes.util
 import gc
-import os
 import platform
 import statistics
 import sys
@@ -160,7 +162,8 @@ def measure(fn: LossFn, inputs, device: torch.device, warmup: int, repeats: int,
 
 
 def _is_oom(err: BaseException) -> bool:
-    return isinstance(err, (MemoryError, torch.cuda.OutOfMemoryError)) or "out of memory" in str(err).lower()
+    oom_types = (MemoryError, torch.cuda.OutOfMemoryError)
+    return isinstance(err, oom_types) or "out of memory" in str(err).lower()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -187,8 +190,11 @@ def main(argv: list[str] | None = None) -> None:
 
     cpu_rss = CpuPeakRss()
     impls = implementations(chunks)
-    name = torch.cuda.get_device_name(device) if gpu else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    mem_method = "torch.cuda.max_memory_allocated" if gpu else ("peak RSS (VmHWM) growth" if cpu_rss.available else "n/a")
+    if gpu:
+        name, mem_method = torch.cuda.get_device_name(device), "torch.cuda.max_memory_allocated"
+    else:
+        name = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        mem_method = "peak RSS (VmHWM) growth" if cpu_rss.available else "n/a"
     print(f"# bench_loss: {name}; torch {torch.__version__}; dtype {str(dtype).removeprefix('torch.')}; "
           f"world size 1; fwd+bwd median of {repeats}; memory = {mem_method} beyond the inputs\n")
     cpu_col = "" if gpu else " CPU ms |"

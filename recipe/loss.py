@@ -544,7 +544,8 @@ class ClipLoss(nn.Module):
         image, text = image_features, text_features
         if image.dim() != 2 or image.shape != text.shape:
             raise ValueError(
-                f"image and text features must both be (M, D); got {tuple(image.shape)} and {tuple(text.shape)}"
+                "image and text features must both be (M, D); got "
+                f"{tuple(image.shape)} and {tuple(text.shape)}"
             )
         if image.dtype != text.dtype or image.device != text.device or not image.is_floating_point():
             raise ValueError(
@@ -596,7 +597,8 @@ class ClipLoss(nn.Module):
         _all_gather_single(table, mine[None], self.group)
         rows = table.tolist()
         if len({r[1] for r in rows}) > 1 or len({r[2] for r in rows}) > 1:
-            raise ValueError(f"feature dim/dtype differ across ranks: (dim, dtype code) per rank = {[r[1:3] for r in rows]}")
+            per_rank = [r[1:3] for r in rows]
+            raise ValueError(f"feature dim/dtype differ across ranks: (dim, dtype code) per rank = {per_rank}")
         empty = [i for i, r in enumerate(rows) if r[0] == 0]
         if empty:
             raise ValueError(f"empty local batch on rank(s) {empty}")
