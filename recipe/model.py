@@ -123,7 +123,9 @@ class CLIP(nn.Module):
         text: The text tower.
         image_proj: Linear map from ``visual.width`` to ``embed_dim``.
         text_proj: Linear map from ``text.width`` to ``embed_dim``.
-        logit_scale: 0-d parameter, ``log`` of the logit multiplier.
+        logit_scale: one-element parameter, ``log`` of the logit multiplier. Shape ``(1,)`` rather
+            than OpenCLIP's 0-d: DeepSpeed's initial model broadcast views every parameter as bytes,
+            which fails for a 0-d half-precision tensor.
         config: The :class:`CLIPConfig` the model was built from.
     """
 
@@ -140,7 +142,7 @@ class CLIP(nn.Module):
         for proj in (self.image_proj, self.text_proj):
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
-        self.logit_scale = nn.Parameter(torch.tensor(float(config.init_logit_scale)))
+        self.logit_scale = nn.Parameter(torch.full((1,), float(config.init_logit_scale)))
         self.max_log_logit_scale = math.log(config.max_logit_scale)
 
     @property

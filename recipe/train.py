@@ -200,8 +200,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if rank == 0:
         checkpoint.atomic_write_bytes(run_dir / "model_config.json", json.dumps(model.config.to_dict(), indent=2).encode())
     model.set_grad_checkpointing(m.grad_checkpointing)
-    if model.logit_scale.dim() == 0:  # TEMP: DeepSpeed cannot broadcast 0-dim half tensors
-        model.logit_scale = torch.nn.Parameter(model.logit_scale.detach().reshape(1))
     if prec.mode == "fp16":
         model.half()
     opt = build_optimizer(model, cfg, prec)
@@ -236,7 +234,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             kw["inv_grad_scale"] = grad_multiplier(engine.module, prec)
         with step_kwargs(opt, **kw):
             engine.step()
-        skipped = opt.skipped_steps > skipped_before
+        # skipped by SRAdamW (non-finite input) or by DeepSpeed's ZeRO overflow check before it
+        skipped = bool(found_inf) or opt.skipped_steps > skipped_before or bool(getattr(engine.optimizer, "overflow", False))
         # fp16: a step skipped with a finite loss is the loss scaler's overflow, not a bad loss
         overflow = skipped and prec.loss_scaler is not None and not bool(found_inf)
         nonfinite = skipped and not overflow
