@@ -4,7 +4,9 @@ Compares on the same parameters and gradients:
   * torch AdamW, float32 weights and states (fused on CUDA, foreach on CPU);
   * torch AdamW on bf16 weights and states (round-to-nearest everywhere);
   * SRAdamW: bf16 weights + bf16 SR states; fp16 weights + scaled fp16 SR states; bf16 weights with
-    an fp32 master and fp32 states;
+    an fp32 master and fp32 states; each on the PyTorch path and (CUDA) with the fused Triton kernel,
+    and the fused kernel once more with ``check_finite=False`` (no separate inf/NaN pass over the
+    gradients and no host sync: the kernel's own time plus the per-step host work);
   * torchao ``_AdamW(bf16_stochastic_round=True)`` (bf16 weights, fp32 master-free SR) if installed;
   * optimi ``AdamW(kahan_sum=True)`` on bf16 weights if installed.
 
@@ -16,6 +18,7 @@ Usage:
     python benchmarks/bench_optim.py                       # CPU: 8 tensors of 2**20
     python benchmarks/bench_optim.py --layout gpu-1b       # CUDA: 64 tensors of 2**24 (1.07 B)
     python benchmarks/bench_optim.py --layout vit-b-32     # the ViT-B-32 preset's tensor shapes
+    python benchmarks/bench_optim.py --layout gpu-1b,vit-b-32   # both, one table each, one run
 """
 
 from __future__ import annotations
@@ -103,10 +106,24 @@ def candidates(device: str) -> list[tuple[str, torch.dtype, Callable]]:
     c: list[tuple[str, torch.dtype, Callable]] = [
         ("torch AdamW fp32" + (" fused" if cuda else " foreach"), torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-3, **torch_kw)),
         ("torch AdamW bf16 (RTN)", torch.bfloat16, lambda ps: torch.optim.AdamW(ps, lr=1e-3, **torch_kw)),
-        ("SRAdamW bf16 w + bf16 SR states", torch.bfloat16, lambda ps: SRAdamW(ps, lr=1e-3, state_dtype=torch.bfloat16)),
-        ("SRAdamW fp16 w + scaled fp16 SR states", torch.float16, lambda ps: SRAdamW(ps, lr=1e-3, state_dtype=torch.float16)),
-        ("SRAdamW bf16 w + fp32 master/states", torch.bfloat16, lambda ps: SRAdamW(ps, lr=1e-3, master_weights=True, state_dtype=torch.float32)),
     ]
+    sr_configs = [
+        ("bf16 w + bf16 SR states", torch.bfloat16, {"state_dtype": torch.bfloat16}),
+        ("fp16 w + scaled fp16 SR states", torch.float16, {"state_dtype": torch.float16}),
+        ("bf16 w + fp32 master/states", torch.bfloat16, {"master_weights": True, "state_dtype": torch.float32}),
+    ]
+    for label, dtype, kw in sr_configs:
+        c.append((f"SRAdamW {label} (PyTorch path)", dtype, lambda ps, kw=kw: SRAdamW(ps, lr=1e-3, fused=False, **kw)))
+    if cuda:  # the fused kernel runs compiled on CUDA tensors only
+        for label, dtype, kw in sr_configs:
+            c.append((f"SRAdamW {label} (fused)", dtype, lambda ps, kw=kw: SRAdamW(ps, lr=1e-3, fused=True, **kw)))
+        for label, dtype, kw in sr_configs[:2]:
+            c.append(
+                (f"SRAdamW {label} (fused, check_finite=False)", dtype,
+                 lambda ps, kw=kw: SRAdamW(ps, lr=1e-3, fused=True, check_finite=False, **kw))
+            )
+    else:
+        print("# SRAdamW fused rows need CUDA: skipped", file=sys.stderr)
     try:
         from torchao.optim import _AdamW
 
@@ -125,7 +142,8 @@ def candidates(device: str) -> list[tuple[str, torch.dtype, Callable]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--layout", default=None, help="uniform | gpu-1b | vit-b-32 (default: gpu-1b on CUDA, uniform on CPU)")
+    ap.add_argument("--layout", default=None, help="uniform | gpu-1b | vit-b-32, or several separated by commas "
+                    "(default: gpu-1b on CUDA, uniform on CPU)")
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--size", type=int, default=1 << 20)
     ap.add_argument("--warmup", type=int, default=None)
@@ -134,32 +152,42 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args()
     cuda = args.device == "cuda"
-    name = args.layout or ("gpu-1b" if cuda else "uniform")
-    shapes = layout(name, args.tensors, args.size)
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
     iters = args.iters if args.iters is not None else (20 if cuda else 5)
     dev_name = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
-    print(f"# device: {dev_name}; torch {torch.__version__}; layout {name}: {len(shapes)} tensors, "
-          f"{sum(torch.Size(s).numel() for s in shapes):,} params; {time.strftime('%Y-%m-%d')}")
-    rows = []
-    for label, dtype, make in candidates(args.device):
-        if args.only and args.only not in label:
-            continue
-        try:
-            rows.append(bench_one(label, make, shapes, dtype, args.device, warmup, iters))
-        except Exception as e:  # a comparison optimizer that cannot run here is reported, not hidden
-            rows.append({"optimizer": label, "error": f"{type(e).__name__}: {e}"[:120]})
-        if cuda:
-            torch.cuda.empty_cache()
-    print("| optimizer | ms/step | weight B/param | state B/param | GB/s |")
-    print("|---|---:|---:|---:|---:|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['optimizer']} | error: {r['error']} | | | |")
-        else:
-            print(f"| {r['optimizer']} | {r['ms']:.2f} | {r['weight_bytes_per_param']:.0f} | {r['state_bytes_per_param']:.2f} | {r['GB/s']:.1f} |")
+    triton_version = "n/a"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        pass
+    all_rows = []
+    for name in (args.layout or ("gpu-1b" if cuda else "uniform")).split(","):
+        shapes = layout(name, args.tensors, args.size)
+        print(f"# device: {dev_name}; torch {torch.__version__}; triton {triton_version}; layout {name}: {len(shapes)} "
+              f"tensors, {sum(torch.Size(s).numel() for s in shapes):,} params; {time.strftime('%Y-%m-%d')}")
+        rows = []
+        for label, dtype, make in candidates(args.device):
+            if args.only and args.only not in label:
+                continue
+            try:
+                rows.append(bench_one(label, make, shapes, dtype, args.device, warmup, iters))
+            except Exception as e:  # a comparison optimizer that cannot run here is reported, not hidden
+                rows.append({"optimizer": label, "error": f"{type(e).__name__}: {e}"[:120]})
+            rows[-1]["layout"] = name
+            if cuda:
+                torch.cuda.empty_cache()
+        print("| optimizer | ms/step | weight B/param | state B/param | GB/s |")
+        print("|---|---:|---:|---:|---:|")
+        for r in rows:
+            if "error" in r:
+                print(f"| {r['optimizer']} | error: {r['error']} | | | |")
+            else:
+                print(f"| {r['optimizer']} | {r['ms']:.2f} | {r['weight_bytes_per_param']:.0f} | {r['state_bytes_per_param']:.2f} | {r['GB/s']:.1f} |")
+        all_rows += rows
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps(all_rows, indent=2))
 
 
 if __name__ == "__main__":

@@ -19,16 +19,19 @@ elements with 64-bit offsets. Full blocks take an unmasked path so the loads and
 (pointers that are 16-byte aligned are annotated as such; tensors with unaligned pointers form their
 own group without the hint). Hundreds of small tensors therefore cost one launch per dtype group.
 
-Bit-exactness: the kernel and the PyTorch path agree bit for bit on the CPU under
-``TRITON_INTERPRET=1`` (tests/test_fused.py) and, on a GPU, the kernel's results do not depend on the
-device: division and square root are IEEE correctly rounded (``div_rn``/``sqrt_rn``), the fused
-multiply-adds are the ones the PyTorch CPU kernels use (``lerp`` and ``addcmul``), and compiler
-contraction of other products is off (``enable_fp_fusion=False``). Two known sources of difference
-with the *PyTorch path on other devices or builds*: torch's CPU ``sqrt`` for float32 goes through a
-vector math library and is not always correctly rounded (about 20 % of results differ by one unit in
-the last place from the IEEE square root), and CUDA's ``addcmul``/``div`` by a Python scalar may
-order or contract operations differently. Either changes a float32 intermediate by an ulp, which in
-rare elements moves a stochastic rounding decision to the other neighbour.
+Bit-exactness: under ``TRITON_INTERPRET=1`` the kernel reproduces the PyTorch path on the CPU bit for
+bit (tests/test_fused.py), with one exception: torch's float32 CPU ``sqrt`` goes through a vector
+math library and is not always correctly rounded (on the development machine one result in five is
+an ulp off), while the kernel uses the IEEE square root, so the tests take the reference's square
+root from numpy. The arithmetic is written to be device independent: division and square root are
+correctly rounded (``div_rn``/``sqrt_rn``), the fused multiply-adds are exactly the ones the PyTorch
+CPU kernels use (``lerp`` and ``addcmul``; emulated exactly in float64 under the interpreter, which
+has no FMA), and the compiler may not contract other products (``enable_fp_fusion=False``), so the
+compiled kernel should match the same CPU reference; the ``gpu``-marked tests check that where a GPU
+is present. The PyTorch path *on CUDA* is another matter: torch's CUDA ``addcmul`` and division by a
+Python scalar order or contract operations differently, so it can differ from both by an ulp in a
+float32 intermediate, which in rare elements moves a stochastic rounding decision to the other
+neighbour.
 
 Triton is imported only when this module is imported, which :mod:`optim` does lazily (the first
 fused step). ``TRITON_INTERPRET=1`` must be set before that import: it is read when the kernels are
@@ -39,13 +42,15 @@ addresses); compiled kernels run on CUDA tensors only.
 from __future__ import annotations
 
 import math
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .rounding import _segment_key
+from .rounding import _HI_SALT, _M32, _as_i32
+from .rounding import _hash32 as _hash32_tensor
 
 try:  # the only place Triton is imported
     import triton
@@ -469,48 +474,61 @@ def _check_ready(device: torch.device) -> None:
 
 
 def _validate(s: TensorStep) -> None:
+    """Raises ``ValueError`` on dtypes, sizes, devices, layouts or options the kernel cannot take."""
     p = s.param
-    for name in ("param", "grad", "exp_avg", "exp_avg_sq"):
-        t = getattr(s, name)
-        if t.dtype not in _KIND:
-            raise ValueError(f"{name}: dtype {t.dtype} is not float32, bfloat16 or float16")
-        if t.device != p.device:
-            raise ValueError(f"{name} is on {t.device}, param on {p.device}")
-        if t.numel() != p.numel():
-            raise ValueError(f"{name} has {t.numel()} elements, param {p.numel()}")
-    for name in ("exp_avg", "exp_avg_sq", "master"):
-        t = getattr(s, name)
-        if t is not None and not t.is_contiguous():
+    n, device = p.numel(), p.device
+    for name, t in (("param", p), ("grad", s.grad), ("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq), ("master", s.master)):
+        if t is None:
+            continue
+        if t.dtype not in _KIND or (name == "master" and t.dtype != torch.float32):
+            raise ValueError(f"{name}: dtype {t.dtype} is not supported (float32, bfloat16 or float16; master float32)")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, param on {device}")
+        if t.numel() != n:
+            raise ValueError(f"{name} has {t.numel()} elements, param {n}")
+        if name in ("exp_avg", "exp_avg_sq", "master") and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    if s.master is not None and (s.master.dtype != torch.float32 or s.master.numel() != p.numel() or s.master.device != p.device):
-        raise ValueError("master must be a float32 tensor with the param's numel and device")
-    for name in ("exp_avg_scales", "exp_avg_sq_scales"):
-        sc = getattr(s, name)
-        if sc is not None:
-            if len(sc) != 2 or any(x.dtype != torch.float32 or x.numel() != 1 or x.device != p.device for x in sc):
-                raise ValueError(f"{name} must be two 1-element float32 tensors on the param's device")
-    for name in ("weight_rounding", "state_rounding"):
-        if getattr(s, name) not in _ROUNDINGS:
-            raise ValueError(f"{name} must be 'stochastic' or 'nearest', got {getattr(s, name)!r}")
+    for name, sc in (("exp_avg_scales", s.exp_avg_scales), ("exp_avg_sq_scales", s.exp_avg_sq_scales)):
+        if sc is not None and (
+            len(sc) != 2 or any(x.dtype != torch.float32 or x.numel() != 1 or x.device != device for x in sc)
+        ):
+            raise ValueError(f"{name} must be two 1-element float32 tensors on the param's device")
+    if s.weight_rounding not in _ROUNDINGS or s.state_rounding not in _ROUNDINGS:
+        bad = "weight_rounding" if s.weight_rounding not in _ROUNDINGS else "state_rounding"
+        raise ValueError(f"{bad} must be 'stochastic' or 'nearest', got {getattr(s, bad)!r}")
     if s.clamp is not None and not (len(s.clamp) == 2 and float(s.clamp[0]) <= float(s.clamp[1])):
         raise ValueError(f"clamp must be None or a (min, max) pair with min <= max, got {s.clamp!r}")
-    if s.index_offset < 0 or s.index_offset + p.numel() > 1 << 63:
+    if s.index_offset < 0 or s.index_offset + n > 1 << 63:
         raise ValueError(f"index_offset {s.index_offset} out of range")
 
 
-def _salted(key: int) -> int:
-    """The key-only half of optim.rounding._segment_key (the kernel adds the high-half term)."""
-    return _segment_key(int(key) & 0xFFFFFFFF, 0)
+def _salted(keys: torch.Tensor) -> torch.Tensor:
+    """The key-only half of ``optim.rounding._segment_key`` (the kernel adds the high-half term).
+
+    Args:
+        keys: int64 tensor of 32-bit keys.
+
+    Returns:
+        int64 tensor of ``_hash32_int(key ^ salt)``, in ``[0, 2**32)``.
+    """
+    as_i32 = (keys & _M32).to(torch.int32)  # int64 -> int32 keeps the low 32 bits
+    return _hash32_tensor(as_i32 ^ _as_i32(_HI_SALT)).to(torch.int64) & _M32
 
 
 def _f32(x: float) -> float:
-    """x rounded to float32 the way torch turns a Python scalar operand into float32."""
-    return float(torch.tensor(x, dtype=torch.float64).to(torch.float32))
+    """x rounded to float32 (round to nearest even), as torch casts a Python scalar operand."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
-def _float_fields(s: TensorStep, grad_mul: float) -> list[float]:
-    """Float32 hyperparameters of one row, in the order and rounding of the PyTorch path."""
-    weight = _f32(1 - s.beta1)  # lerp weight
+def _float_fields(s: TensorStep, grad_mul: float, weight: float) -> list[float]:
+    """Float32 hyperparameters of one row, in the order and rounding of the PyTorch path.
+
+    ``weight`` is the float32 lerp weight ``1 - beta1``; every other value is rounded to float32
+    when the row is packed, as torch rounds a Python scalar operand of a float32 operation.
+    """
     lerp_coeff = weight if abs(weight) < 0.5 else weight - 1.0  # exact in float32
     bias_correction1 = 1 - s.beta1**s.step
     return [
@@ -547,6 +565,15 @@ def _block_table(numels: tuple[int, ...], block: int, device: torch.device) -> t
     while len(_BLOCK_TABLES) > 64:
         _BLOCK_TABLES.popitem(last=False)
     return table
+
+
+def _launch(blocks: torch.Tensor, device: torch.device, *args, **kwargs) -> None:
+    """Launches one program per row of ``blocks`` on ``device`` (Triton uses the current device)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            _sradamw_kernel[(blocks.shape[0],)](*args, **kwargs)
+    else:
+        _sradamw_kernel[(blocks.shape[0],)](*args, **kwargs)
 
 
 def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -665,16 +692,20 @@ def sradamw_fused_(
                     int(s.keys[1]) & 0xFFFFFFFF,
                     int(s.keys[2]) & 0xFFFFFFFF,
                     int(abs(weight) < 0.5),
-                    *(_salted(k) for k in s.keys),
+                    0,  # 15-17: salted keys, filled below for the whole group at once
+                    0,
+                    0,
                 ]
             )
-            floats.append(_float_fields(s, gmul_value))
-        host = torch.cat(
-            [torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32).view(torch.int64)], dim=1
-        ).contiguous()
+            floats.append(_float_fields(s, gmul_value, weight))
+        int_part = torch.tensor(ints, dtype=torch.int64)
+        int_part[:, 15:18] = _salted(int_part[:, 11:14])
+        host = torch.cat([int_part, torch.tensor(floats, dtype=torch.float32).view(torch.int64)], dim=1).contiguous()
         table = _upload(host, device)
         blocks = _block_table(tuple(param.numel() for _, param, _ in items), block, device)
-        _sradamw_kernel[(blocks.shape[0],)](
+        _launch(
+            blocks,
+            device,
             table,
             table.view(torch.float32),
             blocks,
