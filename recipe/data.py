@@ -22,9 +22,12 @@ How the data of an epoch is laid out (per rank ``r`` of ``W``, batch size ``B``)
 * Streamed webdataset shards: ``datasets.IterableDataset.shuffle(seed, buffer)`` with
   ``set_epoch(epoch)``, then ``datasets.distributed.split_dataset_by_node`` (whole shards per rank
   when the shard count divides by ``W``, else every ``W``-th sample), then shards per DataLoader
-  worker. Each rank again yields exactly ``N // W // B`` batches; a worker tops up its last
-  batch from the start of its own stream, and a rank whose share runs short starts another pass
-  over it (counted as ``repeated``).
+  worker. Each rank again yields exactly ``N // W // B`` batches (``N`` counted from the tar
+  headers or given as ``num_samples``); a worker tops up its last batch from the start of its own
+  stream, a rank whose share runs short starts another pass over it (both counted as
+  ``repeated``), and a rank whose share is longer than its quota leaves the rest for the next
+  epoch's shuffle. Shards of equal size in a number divisible by ``W`` times the worker count make
+  every epoch one exact pass; with a shard count not divisible by ``W`` every rank reads all shards.
 * Evaluation: rank ``r`` takes a contiguous slice of the rows (or its node split of a stream), in
   order, no shuffling, no augmentation, and the last batch may be short. Samples are never
   repeated or dropped except the counted bad ones.
@@ -818,6 +821,8 @@ class ClipLoader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self.close()
+        if not self.train:  # an evaluation pass always starts from the beginning
+            self._reset_position()
         gen = self._run()
         self._active = weakref.ref(gen)
         return gen
@@ -944,6 +949,8 @@ def _build_loader(
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     if cfg.num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {cfg.num_workers}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
     source = open_source(cfg, with_labels=not train and cfg.label_column is not None)
     transform = build_transform(image_data_config, train, cfg)
     decoder = SampleDecoder(transform, with_labels=not train and cfg.label_column is not None)
