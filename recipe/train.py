@@ -170,9 +170,20 @@ def restore(engine: Any, run_dir: Path, resume: str, loader: Any, prec: Precisio
 def run_eval(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, float]:
     if not cfg.data.val_data:
         return {}
+    import deepspeed
+
     rank, world = _rank_world()
     model = engine.module
     loader = build_eval_loader(eval_data_config(cfg, cfg.data.val_data), tokenizer, model.image_data_config(), cfg.eval_batch_size, rank, world)
+    if engine.zero_optimization_stage() == 3:
+        # ZeRO-3 partitions the weights and its hooks re-partition them after every module call,
+        # while e.g. transformers reads a weight's shape outside the module that owns it: evaluate a
+        # gathered copy instead (the full model on every rank, for the duration of the evaluation)
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        dtype, device = weights["logit_scale"].dtype, weights["logit_scale"].device
+        model = create_model(config=model.config, tokenizer=tokenizer, text_load_weights=False).to(device=device, dtype=dtype)
+        model.load_state_dict(weights)
     return evaluate(model, loader, tokenizer, load_prompts(cfg, cfg.data.val_data))
 
 
@@ -258,7 +269,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     samples_per_s = (state.step - start_step) * micro * accum * world / max(time.perf_counter() - t0, 1e-9)
     final = {"steps": state.step, "samples_per_s": samples_per_s, "final_loss": _mean_over_ranks(torch.stack(losses).mean()), **run_eval(engine, cfg, tokenizer)}
     final.update(skipped_samples=loader.global_stats(), nonfinite_steps=state.nonfinite_steps, overflow_steps=state.overflow_steps, precision=prec.label, world_size=world)
-    final["memory"] = {**live_bytes_per_param(engine.module, opt), "group_params": group_params}
+    final["memory"] = {**live_bytes_per_param(engine.module, opt, engine.optimizer), "group_params": group_params}
     log.log(state.step, final, kind="final")
     log.close()
     loader.close()
