@@ -26,13 +26,15 @@ is one tiny collective plus a host synchronisation per call; it also carries a f
 inputs, so that every rank raises the same ``ValueError`` instead of one rank raising and the others
 hanging in the next collective.
 
-Two modes are provided (see :data:`LOSS_MODES`; a new mode is one more entry in that dict):
+Three modes are provided (see :data:`LOSS_MODES`; a new mode is one more entry in that dict):
 
 * ``"plain"``: materialises the two ``M x B`` logit blocks in fp32 and uses ``F.cross_entropy``.
 * ``"chunked"``: a custom :class:`torch.autograd.Function` computes each row's log-sum-exp over the
   gathered side in tiles of ``chunk_size x chunk_size`` with an online (running max) log-sum-exp, and
   its backward recomputes each tile. Extra memory is ``O(min(M, chunk)·chunk + B·D)``: the ``M x B``
   block is never materialised.
+* ``"fused"``: Triton kernels streaming tiles of the block with online row (and, at world size 1,
+  column) log-sum-exp statistics and a tile-recomputing backward; see :mod:`recipe.loss_kernels`.
 
 Numerics (both modes): logits, log-sum-exp, softmax and the logit-scale gradient are computed in
 fp32 whatever the feature dtype (16-bit feature products are exact in fp32 and are accumulated in
@@ -454,8 +456,15 @@ def _chunked_mode(batch: GatheredBatch, scale: Tensor, bias: Tensor | None, chun
     return ModeOutput(ce_i2t, ce_t2i, arg_i2t == targets, arg_t2i == targets)
 
 
+def _fused_mode(batch: GatheredBatch, scale: Tensor, bias: Tensor | None, chunk_size: int) -> ModeOutput:
+    """Fused tiled Triton kernels (:mod:`recipe.loss_kernels`, imported here: it imports Triton)."""
+    from .loss_kernels import fused_mode
+
+    return fused_mode(batch, scale, bias, chunk_size)
+
+
 #: Loss modes by name. A new implementation (e.g. a fused kernel) is one more entry.
-LOSS_MODES: dict[str, ModeFn] = {"plain": _plain_mode, "chunked": _chunked_mode}
+LOSS_MODES: dict[str, ModeFn] = {"plain": _plain_mode, "chunked": _chunked_mode, "fused": _fused_mode}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -487,8 +496,9 @@ class ClipLoss(nn.Module):
     equal local batches: the local accuracy). ``return_metrics=True`` also returns them.
 
     Args:
-        mode: A key of :data:`LOSS_MODES` (``"plain"`` or ``"chunked"``).
-        chunk_size: Tile edge of the chunked mode.
+        mode: A key of :data:`LOSS_MODES` (``"plain"``, ``"chunked"`` or ``"fused"``: Triton kernels
+            on CUDA tensors, see :mod:`recipe.loss_kernels`).
+        chunk_size: Tile edge of the chunked mode; caps the tile edge of the fused mode.
         group: Process group; ``None`` for the default group (or no torch.distributed at all).
         validate: Check that inputs are finite; costs one host synchronisation at world size 1 (at
             larger sizes the check rides on the size exchange). A non-finite input raises
