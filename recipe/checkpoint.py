@@ -39,24 +39,29 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or unreadable."""
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` via a temporary file, fsync and rename (never half-written)."""
+def _atomic(path: Path, write: Any) -> None:
+    """Runs ``write(file)`` on a temporary sibling, fsyncs and renames it over ``path``; on any
+    failure the temporary is removed and ``path`` keeps its old content."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` via a temporary file, fsync and rename (never half-written)."""
+    _atomic(path, lambda f: f.write(data))
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _atomic(path, lambda f: torch.save(obj, f))
 
 
 def rng_state() -> dict[str, Any]:

@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     tokenizer = load_tokenizer(run_dir / "tokenizer")
     model = create_model(config=CLIPConfig.from_dict(json.loads((run_dir / "model_config.json").read_text())), tokenizer=tokenizer, text_load_weights=False)
     state = torch.load(tag_dir / checkpoint.MODEL_WEIGHTS, map_location="cpu", weights_only=True)
-    model.load_state_dict({k: v.float() for k, v in state.items()})
+    model.to(state["logit_scale"].dtype)  # evaluate in the precision the run trained in
+    model.load_state_dict(state)
     loader = build_eval_loader(eval_data_config(cfg, val), tokenizer, model.image_data_config(), args.batch_size)
     metrics = evaluate(model, loader, tokenizer, load_prompts(cfg, val))
     metrics["step"] = json.loads((tag_dir / checkpoint.COMPLETE).read_text())["step"]

@@ -136,6 +136,15 @@ def test_resume_continues_bit_identically(name: str, data: Path, tmp_path: Path)
     resumed = train_cfg(data, tmp_path / "resumed", ds, steps=8, resume=str(tmp_path / "full" / "checkpoints" / "step00000004"))
     run([full, resumed])
     a, b = losses_of(tmp_path / "full"), losses_of(tmp_path / "resumed")
+    if name.startswith("zero2"):
+        # standalone evaluation of the last checkpoint reproduces the run's final evaluation
+        from recipe.evaluate import main as evaluate_main
+
+        final = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()][-1]
+        standalone = evaluate_main(["--checkpoint", str(tmp_path / "full")])
+        assert standalone["step"] == 8 and standalone["eval_samples"] == final["eval_samples"] == 24
+        for k in ("zeroshot_top1", "i2t_r1", "t2i_r5"):
+            assert abs(standalone[k] - final[k]) <= 1 / 24 + 1e-9, k
     assert sorted(b) == [5, 6, 7, 8]
     for s in (5, 6, 7, 8):
         if "fp16" in name:
