@@ -322,6 +322,24 @@ def test_train_augmentation_is_a_random_resized_crop(syn, tmp_path):
         assert b["pixel_values"].min() >= lo - 1e-5 and b["pixel_values"].max() <= hi + 1e-5
 
 
+def test_transform_from_a_timm_model_data_config(syn, tmp_path):
+    """The data config a timm model resolves (224 px, bicubic, ImageNet mean/std) drives the transform."""
+    import timm
+
+    model = timm.create_model("resnet18", pretrained=False, num_classes=0)
+    data_config = timm.data.resolve_model_data_config(model)
+    path = os.path.join(syn, "train.csv")
+    reference = create_transform(**data_config, is_training=False)
+    row = read_split_rows(syn)[0]
+    with Image.open(os.path.join(syn, row["filepath"])) as img:
+        expected = reference(img.convert("RGB"))
+    evald = next(iter(build_eval_loader(cfg_for(path, tmp_path), tokenize, data_config, 2)))
+    assert evald["pixel_values"].shape == (2, *data_config["input_size"])
+    assert torch.equal(evald["pixel_values"][0], expected)
+    trained = next(iter(build_train_loader(cfg_for(path, tmp_path), tokenize, data_config, 2)))
+    assert trained["pixel_values"].shape == (2, *data_config["input_size"])
+
+
 # --------------------------------------------------------------------------------------------
 # bad samples
 # --------------------------------------------------------------------------------------------
