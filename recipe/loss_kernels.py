@@ -635,7 +635,6 @@ def _check_inputs(a: Tensor, b: Tensor, scale: Tensor) -> None:
         raise ValueError("empty features")
     if scale.numel() != 1 or scale.dtype != torch.float32:
         raise ValueError("scale must be a single fp32 value")
-    _check_ready(a.device)
 
 
 def fused_cross_entropy(
@@ -660,6 +659,7 @@ def fused_cross_entropy(
     _check_inputs(rows, cols, scale)
     if not 0 <= offset <= cols.shape[0] - rows.shape[0]:
         raise ValueError(f"targets offset {offset} + {rows.shape[0]} rows exceed {cols.shape[0]} columns")
+    _check_ready(rows.device)
     cfg = config or default_config(rows.dtype, rows.shape[1])
     ce, correct, _, _ = _FusedCrossEntropy.apply(_prepare(rows), _prepare(cols), scale, int(offset), False, cfg)
     return ce, correct
@@ -686,6 +686,7 @@ def fused_symmetric_cross_entropy(
     _check_inputs(a, b, scale)
     if a.shape[0] != b.shape[0]:
         raise ValueError(f"the symmetric loss needs a square block, got {a.shape[0]} x {b.shape[0]}")
+    _check_ready(a.device)
     cfg = config or default_config(a.dtype, a.shape[1])
     ce_r, ok_r, ce_c, ok_c = _FusedCrossEntropy.apply(_prepare(a), _prepare(b), scale, 0, True, cfg)
     return ce_r, ce_c, ok_r, ok_c
