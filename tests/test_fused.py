@@ -254,6 +254,42 @@ def test_rounding_decisions_equal_round_with_bits(state_dtype: torch.dtype, ieee
     assert torch.signbit(out[2][300].float()) and out[2][300] == 0  # -0 kept
 
 
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fma_probe(a_ptr, b_ptr, c_ptr, out_ptr, EMULATE: tl.constexpr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        a, b, c = tl.load(a_ptr + offs), tl.load(b_ptr + offs), tl.load(c_ptr + offs)
+        tl.store(out_ptr + offs, tk._fma(a, b, c, EMULATE))
+
+
+@needs_triton
+@on_cpu
+def test_interpreter_fma_is_single_rounding() -> None:
+    # Crafted double-rounding cases: a*b + c = 1 + 2**-24 + 2**-60 lies just above the midpoint of 1
+    # and 1 + 2**-23; float64 rounding then float32 rounding ties to 1.0, one rounding gives
+    # 1 + 2**-23. Reference: torch's CPU addcmul, which is a fused multiply-add (c + (1 * a) * b).
+    t = 2.0**-18
+    crafted = [(-(1 - t), 2.0**-24 * (1 + t), 1 + 2.0**-23), ((1 - t), -(2.0**-24) * (1 + t), -(1 + 2.0**-23))]
+    crafted += [(1 - t, 2.0**-24 * (1 + t), 1.0), (1 + t, 2.0**-24 * (1 - t), 1.0)]  # just below midpoints
+    gen = torch.Generator().manual_seed(9)
+    n = 256
+    a = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-60, 60, (n,), generator=gen).float())
+    b = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-60, 60, (n,), generator=gen).float())
+    c = torch.where(torch.rand(n, generator=gen) < 0.5, -(a * b) * (1 + 2.0**-20), torch.randn(n, generator=gen))
+    c[:8] = torch.randn(8, generator=gen) * 1e-40  # subnormal addends
+    for i, (x, y, z) in enumerate(crafted):
+        a[i + 8], b[i + 8], c[i + 8] = x, y, z
+    out = torch.empty(n)
+    _fma_probe[(1,)](a, b, c, out, EMULATE=True, N=n)
+    assert out[8].item() == 1 + 2.0**-23 and out[9].item() == -(1 + 2.0**-23)
+    assert_same_bits(out, torch.addcmul(c, a, b))
+    plain = (a.double() * b.double() + c.double()).float()  # the naive double rounding differs here
+    assert not torch.equal(plain[8:10], out[8:10])
+
+
 @needs_triton
 @on_cpu
 def test_noise_index_is_64_bit(ieee_sqrt: None) -> None:
