@@ -32,6 +32,6 @@ if [ "$#" -eq 0 ]; then
   # the default job: write the synthetic dataset once, then train a small CLIP on it
   [ -f "$DATA_DIR/train.csv" ] || python -m recipe.synthetic --out "$DATA_DIR" --n 6000 --image-size 32
   set -- --preset tiny --train-data "$DATA_DIR/train.csv" --val-data "$DATA_DIR/val.csv" \
-         --steps 400 --lr 1e-3 --warmup-steps 20 --eval-every 200 --log-every 20
+         --steps 1000 --lr 2e-3 --warmup-steps 50 --eval-every 250 --log-every 50
 fi
 exec "${launcher[@]}" --module recipe.train --deepspeed_config "$DS_CONFIG" --output-dir "$OUTPUT_DIR" "$@"

@@ -374,3 +374,13 @@ def test_group_clamp_projects_the_update() -> None:
     assert torch.equal(p, master.to(torch.bfloat16))
     with pytest.raises(ValueError, match="clamp"):
         SRAdamW([{"params": [torch.nn.Parameter(torch.zeros(1))], "clamp": (1.0, 0.0)}])
+
+
+def test_optim_imports_torch_only() -> None:
+    # optim is importable on its own: no recipe, deepspeed or (eagerly) triton
+    import subprocess
+    import sys
+
+    code = "import sys, optim; print(sorted({m.split('.')[0] for m in sys.modules} & {'recipe', 'deepspeed', 'triton', 'transformers', 'timm'}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
