@@ -247,16 +247,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             engine.step()
         # skipped by SRAdamW (non-finite input) or by DeepSpeed's ZeRO overflow check before it
         skipped = bool(found_inf) or opt.skipped_steps > skipped_before or bool(getattr(engine.optimizer, "overflow", False))
-        # fp16: a step skipped with a finite loss is the loss scaler's overflow, not a bad loss
-        overflow = skipped and prec.loss_scaler is not None and not bool(found_inf)
-        nonfinite = skipped and not overflow
-        if prec.loss_scaler is not None:
-            prec.loss_scaler.update(skipped)
-        state.overflow_steps += int(overflow)
-        state.nonfinite_steps += int(nonfinite)
-        state.nonfinite_in_row = state.nonfinite_in_row + 1 if nonfinite else 0
-        if state.nonfinite_in_row >= cfg.max_nonfinite_in_row:
-            raise FloatingPointError(f"{state.nonfinite_in_row} non-finite steps in a row at step {state.step}: stopping (loss or gradients are inf/NaN; lower the learning rate or check the data)")
+        record_skip(state, prec, skipped, bool(found_inf), cfg.max_nonfinite_in_row)
         state.step += 1
         state.samples += micro * accum * world
         log.advance()
@@ -274,6 +265,26 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     log.close()
     loader.close()
     return final
+
+
+def record_skip(state: TrainState, prec: Precision, skipped: bool, loss_nonfinite: bool, limit: int) -> None:
+    """Counts a skipped step and updates the loss scale; stops after ``limit`` non-finite steps in a row.
+
+    On the fp16 route a step skipped with a finite loss is the loss scaler's overflow (counted in
+    ``overflow_steps``), not a bad loss.
+    """
+    overflow = skipped and prec.loss_scaler is not None and not loss_nonfinite
+    nonfinite = skipped and not overflow
+    if prec.loss_scaler is not None:
+        prec.loss_scaler.update(skipped)
+    state.overflow_steps += int(overflow)
+    state.nonfinite_steps += int(nonfinite)
+    state.nonfinite_in_row = state.nonfinite_in_row + 1 if nonfinite else 0
+    if state.nonfinite_in_row >= limit:
+        raise FloatingPointError(
+            f"{state.nonfinite_in_row} non-finite steps in a row at step {state.step}: stopping "
+            "(loss or gradients are inf/NaN; lower the learning rate or check the data)"
+        )
 
 
 def _forever(loader: Any) -> Iterator[dict[str, Any]]:

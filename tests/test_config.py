@@ -136,3 +136,21 @@ def test_dynamic_loss_scaler_follows_deepspeed_semantics() -> None:
         history.append(s.scale)
     # two overflows halve (hysteresis 2); three good steps double; never below min_loss_scale
     assert history == [16, 8, 8, 8, 16, 16, 8, 8, 4, 4, 2]
+
+
+def test_skipped_steps_are_classified_and_the_guard_stops() -> None:
+    from recipe.train import TrainState, record_skip
+
+    p16, _ = resolve_precision(load("zero0_fp16_sr_lossscale.json"))
+    state = TrainState()
+    record_skip(state, p16, skipped=True, loss_nonfinite=False, limit=2)  # gradient overflow: scaler's business
+    record_skip(state, p16, skipped=True, loss_nonfinite=False, limit=2)
+    assert (state.overflow_steps, state.nonfinite_steps, state.nonfinite_in_row) == (2, 0, 0)
+    assert p16.loss_scaler.scale == 2.0**15  # hysteresis 2: halved once
+    record_skip(state, p16, skipped=True, loss_nonfinite=True, limit=2)
+    record_skip(state, p16, skipped=False, loss_nonfinite=False, limit=2)  # a good step resets the streak
+    assert (state.nonfinite_steps, state.nonfinite_in_row) == (1, 0)
+    pbf, _ = resolve_precision(load("zero2_bf16_halfmaster.json"))
+    record_skip(state, pbf, skipped=True, loss_nonfinite=False, limit=2)  # bf16: any skip is non-finite
+    with pytest.raises(FloatingPointError, match="2 non-finite steps in a row"):
+        record_skip(state, pbf, skipped=True, loss_nonfinite=True, limit=2)
