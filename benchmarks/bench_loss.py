@@ -3,7 +3,21 @@
 Compares, on the same inputs (world size 1, L2-normalised random features, logit scale 100):
   * ``recipe.loss.ClipLoss(mode="plain")``: fp32 ``B x B`` logit blocks and ``F.cross_entropy``;
   * ``recipe.loss.ClipLoss(mode="chunked")`` for each ``--chunk-size``: tiled online log-sum-exp;
+  * ``recipe.loss.ClipLoss(mode="fused")``: the Triton kernels of ``recipe/loss_kernels.py`` (GPU;
+    on the CPU only with ``--impls fused``, where they run in Triton's interpreter and the timing
+    means nothing), plus one row per ``--fused-tiles`` configuration;
   * open_clip's ``ClipLoss`` (``open_clip_torch``, bench extra), if installed.
+
+FLOP floor: a loss that keeps ``O(B D)`` memory must recompute the similarities in the backward, so
+it needs at least ``8 B^2 D`` matrix-multiply flops (``2 B^2 D`` forward, ``2 B^2 D`` recompute,
+``4 B^2 D`` for the two feature gradients). The "x floor" column is each time over ``8 B^2 D`` at the
+matmul rate measured at the start of the run (``torch.mm`` of two square matrices in the feature
+dtype; ``--matmul-tflops`` overrides it).
+
+Large batches: an implementation is skipped at a batch where the previous batch's pass time, scaled
+by ``B^2 D``, predicts more than ``--max-pass-s`` per pass, and after it ran out of memory at a
+smaller batch of the same ``D``; the number of timed passes is cut so that they fit in
+``--time-budget-s``.
 
 Time: median wall time of ``--repeats`` forward+backward passes after ``--warmup`` passes (CUDA:
 synchronised before and after each pass); on CPU also the median process CPU time of a pass, which
@@ -26,8 +40,10 @@ The loss column shows that all implementations compute the same value.
 
 Usage:
     python benchmarks/bench_loss.py                                  # CPU: B 1024..4096, D 256, fp32
-    python benchmarks/bench_loss.py --device cuda                    # B 8192..131072, D 512,1024, bf16
+    python benchmarks/bench_loss.py --device cuda                    # B 8192..1048576, D 512,1024, bf16
     python benchmarks/bench_loss.py --batch 2048 --dim 512 --dtype bfloat16 --chunk-size 256 1024
+    python benchmarks/bench_loss.py --device cuda --impls fused --batch 32768 --dim 1024 \
+        --fused-tiles 128x128x64w8s3 128x64x64w4s3                   # tile sweep of the kernels
 """
 
 from __future__ import annotations
@@ -35,8 +51,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import dataclasses
+import datetime
 import gc
+import importlib.metadata
 import platform
+import re
 import statistics
 import sys
 import time
@@ -96,18 +116,71 @@ class CpuPeakRss:
         return (self._status_kib("VmHWM") - self.base_kib) / 1024
 
 
-def implementations(chunk_sizes: list[int]) -> dict[str, LossFn | None]:
+IMPLS = ("plain", "chunked", "fused", "open_clip")
+
+
+def _fused_with_tiles(spec: str, dtype: torch.dtype, dim: int) -> LossFn:
+    """World-size-1 fused loss with an explicit tile configuration ``<BM>x<BN>x<BK>w<warps>s<stages>``."""
+    from recipe import loss_kernels
+
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)", spec)
+    if match is None:
+        raise SystemExit(f"--fused-tiles: expected e.g. 128x128x64w8s3, got {spec!r}")
+    bm, bn, bk, warps, stages = map(int, match.groups())
+    cfg = dataclasses.replace(
+        loss_kernels.default_config(dtype, dim), block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages
+    )
+
+    def loss(image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ce_i2t, ce_t2i, _, _ = loss_kernels.fused_symmetric_cross_entropy(image, text, scale.float(), cfg)
+        return (ce_i2t.sum() + ce_t2i.sum()) / (2 * image.shape[0])
+
+    return loss
+
+
+def implementations(
+    chunk_sizes: list[int], names: tuple[str, ...] = IMPLS, fused_tiles: tuple[str, ...] = (),
+    dtype: torch.dtype = torch.bfloat16, dim: int = 1024,
+) -> dict[str, LossFn | None]:
     """Name -> loss callable ``fn(image, text, scale)``; ``None`` marks a missing optional package."""
-    impls: dict[str, LossFn | None] = {"plain": ClipLoss(mode="plain", validate=False)}
-    for chunk in chunk_sizes:
-        impls[f"chunked c={chunk}"] = ClipLoss(mode="chunked", chunk_size=chunk, validate=False)
-    try:
-        from open_clip.loss import ClipLoss as OpenClipLoss
-    except ImportError:
-        impls["open_clip"] = None
-    else:
-        impls["open_clip"] = OpenClipLoss()
+    impls: dict[str, LossFn | None] = {}
+    if "plain" in names:
+        impls["plain"] = ClipLoss(mode="plain", validate=False)
+    if "chunked" in names:
+        for chunk in chunk_sizes:
+            impls[f"chunked c={chunk}"] = ClipLoss(mode="chunked", chunk_size=chunk, validate=False)
+    if "fused" in names:
+        impls["fused"] = ClipLoss(mode="fused", validate=False)
+        for spec in fused_tiles:
+            impls[f"fused {spec}"] = _fused_with_tiles(spec, dtype, dim)
+    if "open_clip" in names:
+        try:
+            from open_clip.loss import ClipLoss as OpenClipLoss
+        except ImportError:
+            impls["open_clip"] = None
+        else:
+            impls["open_clip"] = OpenClipLoss()
     return impls
+
+
+def matmul_tflops(dtype: torch.dtype, device: torch.device) -> tuple[float, str]:
+    """Measured ``torch.mm`` rate of two square matrices in ``dtype`` (TFLOP/s) and a description."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        a @ b
+    sync()
+    reps, t0 = 0, time.perf_counter()
+    while reps < 5 or time.perf_counter() - t0 < 1.0:
+        a @ b
+        reps += 1
+        if device.type == "cuda" and reps % 5 == 0:
+            sync()
+    sync()
+    seconds = (time.perf_counter() - t0) / reps
+    return 2 * n**3 / seconds / 1e12, f"{n}^3 torch.mm, {str(dtype).removeprefix('torch.')}"
 
 
 def make_inputs(batch: int, dim: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -128,10 +201,26 @@ def run_once(fn: LossFn, image, text, scale) -> float:
     return float(loss.detach())
 
 
-def measure(fn: LossFn, inputs, device: torch.device, warmup: int, repeats: int, cpu_rss: CpuPeakRss):
-    """Returns ``(median wall ms, median process CPU ms, peak extra MiB or None, loss)``."""
+def measure(
+    fn: LossFn, inputs, device: torch.device, warmup: int, repeats: int, cpu_rss: CpuPeakRss,
+    time_budget_s: float = float("inf"),
+):
+    """Returns ``(median wall ms, median process CPU ms, peak extra MiB or None, loss, passes)``.
+
+    The timed passes are at most ``repeats`` and at most what fits in ``time_budget_s`` at the
+    speed of the last warm-up pass (at least one).
+    """
+    pass_s = None
     for _ in range(warmup):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
         run_once(fn, *inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        pass_s = time.perf_counter() - t0
+    if pass_s is not None:
+        repeats = max(1, min(repeats, int(time_budget_s / max(pass_s, 1e-9))))
     for t in inputs:
         t.grad = None
     gc.collect()
@@ -158,12 +247,20 @@ def measure(fn: LossFn, inputs, device: torch.device, warmup: int, repeats: int,
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
         cpu_times.append((time.process_time() - c0) * 1e3)
-    return statistics.median(times), statistics.median(cpu_times), peak, loss
+    return statistics.median(times), statistics.median(cpu_times), peak, loss, repeats
 
 
 def _is_oom(err: BaseException) -> bool:
     oom_types = (MemoryError, torch.cuda.OutOfMemoryError)
     return isinstance(err, oom_types) or "out of memory" in str(err).lower()
+
+
+def _triton_version() -> str:
+    """Installed Triton version, read without importing Triton (the fused mode decides how)."""
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "n/a"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,55 +269,95 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, nargs="+", help="global batch sizes B (world size 1)")
     parser.add_argument("--dim", type=int, nargs="+", help="embedding dims D")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--impls", nargs="+", choices=IMPLS,
+                        help="implementations (default: all; on the CPU all but fused)")
     parser.add_argument("--chunk-size", type=int, nargs="+", help="chunk sizes of the chunked mode")
+    parser.add_argument("--fused-tiles", nargs="+", default=[],
+                        help="extra fused rows with tiles <BM>x<BN>x<BK>w<warps>s<stages>, e.g. 128x128x64w8s3")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, help="timed passes (median reported)")
+    parser.add_argument("--time-budget-s", type=float, default=20.0, help="cap on the timed passes of one row")
+    parser.add_argument("--max-pass-s", type=float, help="skip rows predicted slower than this per pass")
+    parser.add_argument("--matmul-tflops", type=float, help="matmul rate for the FLOP floor (default: measured)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads on CPU")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
     gpu = device.type == "cuda"
-    batches = args.batch or ([8192, 16384, 32768, 65536, 131072] if gpu else [1024, 2048, 4096])
+    batches = args.batch or (
+        [8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576] if gpu else [1024, 2048, 4096]
+    )
     dims = args.dim or ([512, 1024] if gpu else [256])
     dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
     chunks = args.chunk_size or ([4096] if gpu else [512])
     repeats = args.repeats or (10 if gpu else 3)
+    max_pass_s = args.max_pass_s or (60.0 if gpu else 120.0)
+    names = tuple(args.impls or (IMPLS if gpu else tuple(n for n in IMPLS if n != "fused")))
     if args.threads:
         torch.set_num_threads(args.threads)
 
     cpu_rss = CpuPeakRss()
-    impls = implementations(chunks)
+    if args.matmul_tflops:
+        tflops, how = args.matmul_tflops, "given"
+    else:
+        tflops, how = matmul_tflops(dtype, device)
     if gpu:
         name, mem_method = torch.cuda.get_device_name(device), "torch.cuda.max_memory_allocated"
     else:
         name = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
         mem_method = "peak RSS (VmHWM) growth" if cpu_rss.available else "n/a"
-    print(f"# bench_loss: {name}; torch {torch.__version__}; dtype {str(dtype).removeprefix('torch.')}; "
-          f"world size 1; fwd+bwd median of {repeats}; memory = {mem_method} beyond the inputs\n")
+    print(f"# bench_loss: {name}; torch {torch.__version__}; triton {_triton_version()}; "
+          f"{datetime.date.today().isoformat()}; dtype {str(dtype).removeprefix('torch.')}; world size 1; "
+          f"fwd+bwd median of up to {repeats} (time budget {args.time_budget_s:g} s per row); "
+          f"memory = {mem_method} beyond the inputs; FLOP floor 8 B^2 D at {tflops:.3g} TFLOP/s ({how})\n")
     cpu_col = "" if gpu else " CPU ms |"
-    print(f"| B | D | implementation | fwd+bwd ms |{cpu_col} peak extra MiB | loss |")
-    print("|---:|---:|---|---:|" + ("" if gpu else "---:|") + "---:|---:|")
-    for batch in batches:
-        for dim in dims:
-            inputs = make_inputs(batch, dim, dtype, device)
+    print(f"| B | D | implementation | fwd+bwd ms |{cpu_col} floor ms | x floor | peak extra MiB | loss |")
+    print("|---:|---:|---|---:|" + ("" if gpu else "---:|") + "---:|---:|---:|---:|")
+    blank = f"{cpu_col and ' |'} | | |"
+    for dim in dims:
+        impls = implementations(chunks, names, tuple(args.fused_tiles), dtype, dim)
+        last: dict[str, tuple[int, float]] = {}  # impl -> (B, pass seconds) of its last measured row
+        oom_at: dict[str, int] = {}
+        for batch in batches:
+            floor_ms = 8 * batch**2 * dim / (tflops * 1e12) * 1e3
+            inputs = None
             for impl, fn in impls.items():
                 if fn is None:
-                    print(f"| {batch} | {dim} | {impl} | not installed |{cpu_col and ' |'} | |")
+                    print(f"| {batch} | {dim} | {impl} | not installed |{blank} |")
                     continue
+                if impl in oom_at:
+                    print(f"| {batch} | {dim} | {impl} | skipped (OOM at B={oom_at[impl]}) |{blank} |")
+                    continue
+                if impl in last:
+                    prev_b, prev_s = last[impl]
+                    predicted = prev_s * (batch / prev_b) ** 2
+                    if predicted > max_pass_s:
+                        print(f"| {batch} | {dim} | {impl} | skipped (~{predicted:.0f} s/pass predicted) |{blank} |")
+                        continue
+                if inputs is None:
+                    inputs = make_inputs(batch, dim, dtype, device)
                 try:
-                    ms, cpu_ms, peak, loss = measure(fn, inputs, device, args.warmup, repeats, cpu_rss)
+                    ms, cpu_ms, peak, loss, passes = measure(
+                        fn, inputs, device, args.warmup, repeats, cpu_rss, args.time_budget_s
+                    )
                 except (RuntimeError, MemoryError) as err:
                     if not _is_oom(err):
                         raise
-                    print(f"| {batch} | {dim} | {impl} | OOM |{cpu_col and ' |'} | |")
+                    oom_at[impl] = batch
+                    print(f"| {batch} | {dim} | {impl} | OOM |{blank} |")
                     continue
                 finally:
+                    for t in inputs:
+                        t.grad = None
                     gc.collect()
                     if gpu:
                         torch.cuda.empty_cache()
+                last[impl] = (batch, ms / 1e3)
                 peak_s = "n/a" if peak is None else f"{peak:.1f}"
                 cpu_s = "" if gpu else f" {cpu_ms:.1f} |"
-                print(f"| {batch} | {dim} | {impl} | {ms:.1f} |{cpu_s} {peak_s} | {loss:.6f} |", flush=True)
+                reps = "" if passes == repeats else f" ({passes} passes)"
+                print(f"| {batch} | {dim} | {impl} | {ms:.1f}{reps} |{cpu_s} {floor_ms:.1f} | {ms / floor_ms:.2f} "
+                      f"| {peak_s} | {loss:.6f} |", flush=True)
             del inputs
 
 

@@ -50,12 +50,15 @@ zero (as in the chunked mode).
 
 Running the kernels
 -------------------
-Compiled kernels run on CUDA tensors. Under ``TRITON_INTERPRET=1`` (read by Triton when it is first
-imported and when kernels are decorated) they run in Triton's numpy interpreter on CPU tensors:
+Compiled kernels run on CUDA tensors. Under ``TRITON_INTERPRET=1`` (read when kernels are
+decorated, i.e. when this module is imported) they run in Triton's numpy interpreter on CPU tensors:
 that is how the tests check them without a GPU; it is slow and meant for tests only. This module
 imports Triton; :mod:`recipe.loss` imports it lazily, the first time the fused mode is used. On a
-machine without a CUDA device, importing this module before Triton sets ``TRITON_INTERPRET=1``
-(compiled Triton cannot run anything there, so the interpreter is the only way the kernels can run).
+machine without a CUDA device, importing this module sets ``TRITON_INTERPRET=1`` when it is unset
+(compiled Triton cannot run anything there, so the interpreter is the only way the kernels can
+run). The kernels call only Triton builtins, so they also run interpreted in a process that
+imported Triton before the variable was set (``torch._dynamo``, imported by torchvision and timm,
+imports Triton), where Triton's own library functions stay compiled.
 """
 
 from __future__ import annotations
@@ -64,12 +67,11 @@ import dataclasses
 import functools
 import math
 import os
-import sys
 
 import torch
 from torch import Tensor
 
-if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # see the module docstring, "Running the kernels"
 
 try:  # the only place Triton is imported for the loss
@@ -201,6 +203,22 @@ def default_config(dtype: torch.dtype, dim: int, chunk_size: int | None = None) 
 # Kernels
 # --------------------------------------------------------------------------------------------------
 if triton is not None:
+    # The kernels call only Triton builtins, never Triton's own @jit library functions (tl.max,
+    # tl.sum, tl.zeros, tl.cdiv): those are decorated when Triton is imported, compiled or
+    # interpreted, and a process that imported Triton before TRITON_INTERPRET=1 was set (torch's
+    # dynamo imports it) would mix the two. Reductions go through the builtin tl.reduce with the
+    # library's combine functions, which the interpreter recognises and runs as numpy reductions.
+    _MAX = getattr(tl.standard, "_elementwise_max", None)
+    _SUM = getattr(tl.standard, "_sum_combine", None)
+    if _MAX is None or _SUM is None:  # pragma: no cover - other Triton versions (slow interpreter path)
+
+        @triton.jit
+        def _MAX(a, b):
+            return tl.maximum(a, b)
+
+        @triton.jit
+        def _SUM(a, b):
+            return a + b
 
     @triton.jit
     def _expm1(x):
@@ -215,7 +233,7 @@ if triton is not None:
                   EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         """fp32 ``a_tile @ b_tile^T`` over the whole feature dimension, K step ``BK``."""
         offs_k = tl.arange(0, BK)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
         for k in range(0, D, BK):
             if EVEN_K:
                 a = tl.load(a_ptrs + k, mask=row_ok[:, None], other=0.0)
@@ -235,14 +253,14 @@ if triton is not None:
         a_ptr, b_ptr, scale_ptr,
         row_m_ptr, row_l_ptr, row_mb_ptr, pos_ptr,
         col_m_ptr, col_l_ptr, col_mb_ptr,
-        M, N, D, stride_a, stride_b, offset, P_R, TILES_PER_SPLIT,
+        M, N, D, stride_a, stride_b, offset, P_R, P_C,
         COL_STATS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):
         """Online row (and column) log-sum-exp statistics of ``scale * a @ b^T``.
 
-        Program ``(pr, pc)``: row tiles ``pr, pr + P_R, ...``; column tiles
-        ``[pc * TILES_PER_SPLIT, (pc + 1) * TILES_PER_SPLIT)``. Per row, over its column range, it
+        Program ``(pr, pc)``: row tiles ``pr, pr + P_R, ...``; the ``pc``-th of ``P_C`` near-equal
+        contiguous ranges of column tiles. Per row, over its column range, it
         writes to row ``pc`` of the row buffers the running max, ``sum exp(logit - max)`` and the
         max over the columns *before* the row's target (``offset + row``); it stores the positive
         logit of the rows whose target it meets. With ``COL_STATS`` it merges the same statistics
@@ -253,9 +271,10 @@ if triton is not None:
         """
         pr = tl.program_id(0)
         pc = tl.program_id(1)
-        n_row_tiles = tl.cdiv(M, BM)
-        ct_lo = pc * TILES_PER_SPLIT
-        ct_hi = tl.minimum(ct_lo + TILES_PER_SPLIT, tl.cdiv(N, BN))
+        n_row_tiles = (M + BM - 1) // BM
+        n_col_tiles = (N + BN - 1) // BN
+        ct_lo = pc * n_col_tiles // P_C
+        ct_hi = (pc + 1) * n_col_tiles // P_C
         scale = tl.load(scale_ptr)
         offs_m = tl.arange(0, BM)
         offs_n = tl.arange(0, BN)
@@ -267,7 +286,7 @@ if triton is not None:
             first_target = rt * BM + offset
             a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
             run_m = tl.full((BM,), float("-inf"), dtype=tl.float32)
-            run_l = tl.zeros((BM,), dtype=tl.float32)
+            run_l = tl.full((BM,), 0.0, dtype=tl.float32)
             run_mb = tl.full((BM,), float("-inf"), dtype=tl.float32)
             for ct in range(ct_lo, ct_hi):
                 cols = ct * BN + offs_n
@@ -277,27 +296,27 @@ if triton is not None:
                 logits = dots * scale
                 # rows: padding columns are -inf
                 s_r = tl.where(col_ok[None, :], logits, float("-inf"))
-                t_m = tl.max(s_r, axis=1)
+                t_m = tl.reduce(s_r, 1, _MAX)
                 new_m = tl.maximum(run_m, t_m)
-                run_l = run_l * tl.exp(run_m - new_m) + tl.sum(tl.exp(s_r - new_m[:, None]), axis=1)
+                run_l = run_l * tl.exp(run_m - new_m) + tl.reduce(tl.exp(s_r - new_m[:, None]), 1, _SUM)
                 run_m = new_m
                 if ct * BN + BN <= first_target:  # every column precedes every target of the tile
                     run_mb = tl.maximum(run_mb, t_m)
                 elif ct * BN < first_target + BM:  # the tile meets the targets of some rows
                     before = tl.where(cols[None, :] < targets[:, None], s_r, float("-inf"))
-                    run_mb = tl.maximum(run_mb, tl.max(before, axis=1))
+                    run_mb = tl.maximum(run_mb, tl.reduce(before, 1, _MAX))
                     hit = cols[None, :] == targets[:, None]
-                    pos = tl.sum(tl.where(hit, logits, 0.0), axis=1)
+                    pos = tl.reduce(tl.where(hit, logits, 0.0), 1, _SUM)
                     mine = row_ok & (targets >= ct * BN) & (targets < ct * BN + BN)
                     tl.store(pos_ptr + rows, pos, mask=mine)
                 if COL_STATS:  # columns: padding rows are -inf; square block, offset 0
                     s_c = tl.where(row_ok[:, None], logits, float("-inf"))
-                    c_m = tl.max(s_c, axis=0)
+                    c_m = tl.reduce(s_c, 0, _MAX)
                     c_off = pr.to(tl.int64) * N + cols
                     old_m = tl.load(col_m_ptr + c_off, mask=col_ok, other=0.0)
                     old_l = tl.load(col_l_ptr + c_off, mask=col_ok, other=0.0)
                     new_cm = tl.maximum(old_m, c_m)
-                    new_l = old_l * tl.exp(old_m - new_cm) + tl.sum(tl.exp(s_c - new_cm[None, :]), axis=0)
+                    new_l = old_l * tl.exp(old_m - new_cm) + tl.reduce(tl.exp(s_c - new_cm[None, :]), 0, _SUM)
                     tl.store(col_m_ptr + c_off, new_cm, mask=col_ok)
                     tl.store(col_l_ptr + c_off, new_l, mask=col_ok)
                     if rt * BM + BM <= ct * BN:  # every row precedes every column's target row
@@ -305,7 +324,7 @@ if triton is not None:
                         tl.store(col_mb_ptr + c_off, tl.maximum(old_mb, c_m), mask=col_ok)
                     elif rt * BM < ct * BN + BN:
                         old_mb = tl.load(col_mb_ptr + c_off, mask=col_ok, other=0.0)
-                        above = tl.max(tl.where(rows[:, None] < cols[None, :], s_c, float("-inf")), axis=0)
+                        above = tl.reduce(tl.where(rows[:, None] < cols[None, :], s_c, float("-inf")), 0, _MAX)
                         tl.store(col_mb_ptr + c_off, tl.maximum(old_mb, above), mask=col_ok)
             r_off = pc.to(tl.int64) * M + rows
             tl.store(row_m_ptr + r_off, run_m, mask=row_ok)
@@ -331,8 +350,8 @@ if triton is not None:
         saved (no cancellation, and no per-element bookkeeping of the diagonal).
         """
         pid = tl.program_id(0)
-        n_rt = tl.cdiv(M, BM)
-        n_ct = tl.cdiv(band_w, BN)
+        n_rt = (M + BM - 1) // BM
+        n_ct = (band_w + BN - 1) // BN
         per_group = GROUP_M * n_ct
         first_rt = (pid // per_group) * GROUP_M
         group_size = tl.minimum(n_rt - first_rt, GROUP_M)
@@ -373,7 +392,7 @@ if triton is not None:
                 )
             ds = tl.where(cols[None, :] == (rows + offset)[:, None], d_target[:, None], ds)
         ds = tl.where(row_ok[:, None] & col_ok[None, :], ds, 0.0)
-        tl.store(sgrad_ptr + pid, tl.sum(tl.sum(ds * dots, axis=1), axis=0))
+        tl.store(sgrad_ptr + pid, tl.reduce(tl.reduce(ds * dots, 1, _SUM), 0, _SUM))
         out = ds_ptr + rows.to(tl.int64)[:, None] * stride_ds + lcols[None, :]
         tl.store(out, (ds * scale).to(ds_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -450,15 +469,14 @@ def _forward_stats(rows: Tensor, cols: Tensor, scale: Tensor, offset: int, symme
     n_cols = cols.shape[0]
     row_tiles, col_tiles = _cdiv(m_rows, cfg.block_m), _cdiv(n_cols, cfg.block_n)
     target = _target_programs(cfg, rows.device)
-    if symmetric:  # balance the (p_r + p_c) * B partial-statistics memory
+    # At most `target` programs (a whole number of waves when it is a multiple of the SM count);
+    # every program gets row and column tiles (p_r <= row tiles, p_c <= column tiles).
+    if symmetric:  # p_r ~ p_c balances the (p_r + p_c) * B partial-statistics memory
         p_c = min(col_tiles, max(1, round(math.sqrt(target))))
-        p_r = min(row_tiles, max(1, _cdiv(target, p_c)))
-        p_r = _cdiv(row_tiles, _cdiv(row_tiles, p_r))  # row tiles spread evenly
+        p_r = min(row_tiles, max(1, target // p_c))
     else:  # one program per row tile; split the columns only when row tiles are few
         p_r = row_tiles
-        p_c = min(col_tiles, max(1, _cdiv(target, row_tiles)))
-    per_split = _cdiv(col_tiles, p_c)
-    p_c = _cdiv(col_tiles, per_split)  # no empty split
+        p_c = min(col_tiles, max(1, target // row_tiles))
 
     f32 = dict(dtype=torch.float32, device=rows.device)
     row_stats = [torch.empty(p_c, m_rows, **f32) for _ in range(3)]
@@ -475,7 +493,7 @@ def _forward_stats(rows: Tensor, cols: Tensor, scale: Tensor, offset: int, symme
         rows, cols, scale,
         *row_stats, pos,
         *col_stats,
-        m_rows, n_cols, dim, rows.stride(0), cols.stride(0), offset, p_r, per_split,
+        m_rows, n_cols, dim, rows.stride(0), cols.stride(0), offset, p_r, p_c,
         COL_STATS=symmetric,
         **_kernel_flags(rows.dtype, dim, cfg),
     )

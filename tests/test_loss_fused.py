@@ -38,8 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 CUDA = torch.cuda.is_available()
 ROOT = Path(__file__).resolve().parents[1]
 
-if not CUDA and "triton" not in sys.modules:
-    # read by Triton at import and when the kernels are decorated (stays set for the process)
+if not CUDA:  # read when the kernels are decorated (recipe.loss_kernels would set it too)
     os.environ["TRITON_INTERPRET"] = "1"
 from recipe import loss_kernels as lk  # noqa: E402
 from recipe.loss import ClipLoss  # noqa: E402
