@@ -2,8 +2,9 @@
 
 The similarity matrix is streamed through the GPU in ``block_m x block_n`` tiles and never stored:
 the forward keeps, per row (and per column), a running maximum, a running ``sum exp(logit - max)``,
-the first arg-max and the positive logit; the backward recomputes every tile from the features and
-the saved ``O(M + N)`` statistics. Operands are bf16, fp16 or fp32 (``tl.dot`` on tensor cores for
+the maximum over the entries before the target (the accuracy: ``torch.argmax`` returns the first
+maximum, so a row is right when ``positive == max > max before target``) and the positive logit;
+the backward recomputes every tile from the features and the saved ``O(M + N)`` statistics. Operands are bf16, fp16 or fp32 (``tl.dot`` on tensor cores for
 16-bit inputs, IEEE fp32 for fp32 inputs, never TF32), accumulation, logits and exponentials fp32.
 
 Which blocks are computed
@@ -15,7 +16,7 @@ Which blocks are computed
   ``pc``-th contiguous range of column tiles; its row statistics over its column range and its
   column statistics over its row tiles are written to ``(p_c, B)`` and ``(p_r, B)`` partial buffers
   (read-modify-write of its own column slice, no atomics, deterministic), which a few O(B) torch
-  ops merge (first maximum = smallest index among equal maxima, as ``torch.argmax``). The backward
+  ops merge. The backward
   recomputes ``S`` once and forms ``dS = g_i (P_ij - [i=j]) + h_j (Q_ij - [i=j])`` with
   ``P = softmax`` over rows and ``Q`` over columns. Matrix-multiply work: ``2B^2D`` forward,
   ``2B^2D`` recompute, ``4B^2D`` for the two feature gradients: the ``8 B^2 D`` floor of a loss

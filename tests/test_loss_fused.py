@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -291,6 +292,58 @@ def test_loss_imports_triton_lazily_and_fails_clearly_without_it() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+_COMPILE_CHECK = """
+import json, os
+os.environ["TRITON_INTERPRET"] = "0"
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from recipe import loss_kernels as lk
+assert not lk.interpreting()
+report = []
+for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
+    cfg = lk.default_config(dtype, 1024)
+    flags = lk._kernel_flags(dtype, 1024, cfg)
+    launch = {"num_warps": flags.pop("num_warps"), "num_stages": flags.pop("num_stages")}
+    for fn, flag in ((lk._fwd_kernel, "COL_STATS"), (lk._bwd_kernel, "SYMMETRIC")):
+        for on in (True, False):
+            consts = dict(flags, **{flag: on}, **({"GROUP_M": cfg.group_m} if fn is lk._bwd_kernel else {}))
+            sig, hints = {}, []
+            for i, arg in enumerate(fn.arg_names):  # launches specialise 16-divisible pointers/strides
+                if arg in consts:
+                    sig[arg] = "constexpr"
+                elif arg.endswith("_ptr"):
+                    own = arg in ("a_ptr", "b_ptr") or (arg == "ds_ptr" and name == "bf16")
+                    sig[arg], hints = "*" + (name if own else "fp32"), hints + [i]
+                else:
+                    sig[arg] = "i32"
+                    hints += [i] if arg == "D" or arg.startswith("stride") else []
+            src = ASTSource(fn=fn, signature=sig, constexprs=consts,
+                            attrs={(i,): [["tt.divisibility", 16]] for i in hints})
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch)
+            ptx = kernel.asm["ptx"]
+            report.append([name, fn.__name__, on, "wgmma.mma_async" in ptx, "cp.async" in ptx,
+                           len(kernel.asm["cubin"]) > 0])
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason=f"Triton is not importable: {lk.unavailable_reason()}")
+def test_kernels_compile_for_sm90_without_a_gpu() -> None:
+    """The interpreter does not lower the kernels: compile every variant for sm_90 (Triton's own
+    compiler and ptxas, no device needed) with the default configurations; 16-bit variants must use
+    ``wgmma`` tensor-core instructions, all must pipeline their operand loads (``cp.async``)."""
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(report) == 12
+    for dtype, kernel, flag, wgmma, pipelined, cubin in report:
+        assert cubin and pipelined, (dtype, kernel, flag)
+        assert wgmma == (dtype != "fp32"), (dtype, kernel, flag)
 
 
 # --------------------------------------------------------------------------------------------------
