@@ -4,8 +4,9 @@ The similarity matrix is streamed through the GPU in ``block_m x block_n`` tiles
 the forward keeps, per row (and per column), a running maximum, a running ``sum exp(logit - max)``,
 the maximum over the entries before the target (the accuracy: ``torch.argmax`` returns the first
 maximum, so a row is right when ``positive == max > max before target``) and the positive logit;
-the backward recomputes every tile from the features and the saved ``O(M + N)`` statistics. Operands are bf16, fp16 or fp32 (``tl.dot`` on tensor cores for
-16-bit inputs, IEEE fp32 for fp32 inputs, never TF32), accumulation, logits and exponentials fp32.
+the backward recomputes every tile from the features and the saved ``O(M + N)`` statistics.
+Operands are bf16, fp16 or fp32 (``tl.dot`` on tensor cores for 16-bit inputs, IEEE fp32 for fp32
+inputs, never TF32); accumulation, logits and exponentials are fp32.
 
 Which blocks are computed
 -------------------------
