@@ -16,6 +16,8 @@ reference entry; scale gradient: relative):
 * bf16 features: 5e-6 (the logits of bf16 inputs are exact products summed in fp32), 1.5e-2 (bf16
   gradients, bf16 ``dS`` in the gradient matmuls), 2e-5;
 * fp16 features: 5e-6, 2e-3 (fp16 gradients: rounding 2^-11; ``dS`` stays fp32), 2e-5.
+On the GPU (longer dot products, ``ex2.approx`` exponentials) the tolerances of tests/test_loss.py's
+CUDA test apply: loss 1e-5, feature gradients 2e-5 / 1.5e-2 / 3e-3, scale gradient 1e-4.
 The bias gradient is exactly zero (softmax cross-entropy is shift invariant).
 """
 
@@ -61,6 +63,11 @@ TOLERANCES = {  # dtype: (loss rtol, feature-grad tol relative to max |ref|, sca
     "float32": (5e-6, 1e-5, 2e-5),
     "bfloat16": (5e-6, 1.5e-2, 2e-5),
     "float16": (5e-6, 2e-3, 2e-5),
+}
+GPU_TOLERANCES = {
+    "float32": (1e-5, 2e-5, 1e-4),
+    "bfloat16": (1e-5, 1.5e-2, 1e-4),
+    "float16": (1e-5, 3e-3, 1e-4),
 }
 
 
@@ -117,8 +124,8 @@ def _assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, tol: float,
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
-def _assert_matches(got: dict, ref: dict, dtype: str, what: str) -> None:
-    loss_rtol, grad_tol, scale_rtol = TOLERANCES[dtype]
+def _assert_matches(got: dict, ref: dict, dtype: str, what: str, tolerances: dict = TOLERANCES) -> None:
+    loss_rtol, grad_tol, scale_rtol = tolerances[dtype]
     try:
         torch.testing.assert_close(got["loss"].double(), ref["loss"], rtol=loss_rtol, atol=0)
         _assert_grad_close(got["grad_image"], ref["grad_image"], grad_tol, "image grad")
@@ -427,7 +434,7 @@ def test_gpu_matches_float64_reference(case: Case, chunk: int, device: str) -> N
     image, text = _inputs(case)
     got = _run_loss(image, text, case, chunk=chunk, device=device)
     ref = _reference(image, text, case.scale, case.bias)
-    _assert_matches(got, ref, case.dtype, f"{case.name} chunk {chunk}")
+    _assert_matches(got, ref, case.dtype, f"{case.name} chunk {chunk}", GPU_TOLERANCES)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -440,16 +447,19 @@ def test_gpu_row_blocks_and_bands(dtype: str, device: str) -> None:
     cfg = dataclasses.replace(lk.default_config(image.dtype, 128), band_cols=256)
     x, y = image.to(device, copy=True).requires_grad_(), text.to(device, copy=True).requires_grad_()
     scale = torch.tensor(case.scale, device=device, requires_grad=True)
-    terms = []
+    terms, ok_i2t, ok_t2i = [], [], []
     for offset, n in ((0, 300), (300, 700)):  # what ranks 0 and 1 compute, summed
-        ce_i2t, _ = lk.fused_cross_entropy(x[offset : offset + n], y, scale, offset, cfg)
-        ce_t2i, _ = lk.fused_cross_entropy(y[offset : offset + n], x, scale, offset, cfg)
+        ce_i2t, ok = lk.fused_cross_entropy(x[offset : offset + n], y, scale, offset, cfg)
+        ok_i2t.append(ok)
+        ce_t2i, ok = lk.fused_cross_entropy(y[offset : offset + n], x, scale, offset, cfg)
+        ok_t2i.append(ok)
         terms += [ce_i2t.sum(), ce_t2i.sum()]
     loss = sum(terms) / (2 * 1000)
     loss.backward()
     got = {"loss": loss.detach().cpu(), "grad_image": x.grad.cpu(), "grad_text": y.grad.cpu(),
-           "grad_scale": scale.grad.cpu(), "acc_i2t": ref["acc_i2t"], "acc_t2i": ref["acc_t2i"]}
-    _assert_matches(got, ref, dtype, f"row blocks {dtype}")
+           "grad_scale": scale.grad.cpu(), "acc_i2t": torch.cat(ok_i2t).double().mean().cpu(),
+           "acc_t2i": torch.cat(ok_t2i).double().mean().cpu()}
+    _assert_matches(got, ref, dtype, f"row blocks {dtype}", GPU_TOLERANCES)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=on_gpu)])
