@@ -55,6 +55,7 @@ import dataclasses
 import datetime
 import gc
 import importlib.metadata
+import importlib.util
 import platform
 import re
 import statistics
@@ -150,9 +151,10 @@ def implementations(
         for chunk in chunk_sizes:
             impls[f"chunked c={chunk}"] = ClipLoss(mode="chunked", chunk_size=chunk, validate=False)
     if "fused" in names:
-        impls["fused"] = ClipLoss(mode="fused", validate=False)
+        have_triton = importlib.util.find_spec("triton") is not None
+        impls["fused"] = ClipLoss(mode="fused", validate=False) if have_triton else None
         for spec in fused_tiles:
-            impls[f"fused {spec}"] = _fused_with_tiles(spec, dtype, dim)
+            impls[f"fused {spec}"] = _fused_with_tiles(spec, dtype, dim) if have_triton else None
     if "open_clip" in names:
         try:
             from open_clip.loss import ClipLoss as OpenClipLoss
