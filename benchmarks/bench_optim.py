@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -150,7 +151,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--only", default=None, help="substring filter on optimizer names")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU); 1 avoids OpenMP oversubscription on a shared machine")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cuda = args.device == "cuda"
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
     iters = args.iters if args.iters is not None else (20 if cuda else 5)
@@ -166,7 +170,8 @@ def main() -> None:
     for name in (args.layout or ("gpu-1b" if cuda else "uniform")).split(","):
         shapes = layout(name, args.tensors, args.size)
         print(f"# device: {dev_name}; torch {torch.__version__}; triton {triton_version}; layout {name}: {len(shapes)} "
-              f"tensors, {sum(torch.Size(s).numel() for s in shapes):,} params; {time.strftime('%Y-%m-%d')}")
+              f"tensors, {sum(torch.Size(s).numel() for s in shapes):,} params; {torch.get_num_threads()} threads; "
+              f"load average {os.getloadavg()[0]:.1f}; {time.strftime('%Y-%m-%d')}")
         rows = []
         for label, dtype, make in candidates(args.device):
             if args.only and args.only not in label:
