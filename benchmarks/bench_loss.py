@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
                 peak_s = "n/a" if peak is None else f"{peak:.1f}"
                 cpu_s = "" if gpu else f" {cpu_ms:.1f} |"
                 reps = "" if passes == repeats else f" ({passes} passes)"
-                print(f"| {batch} | {dim} | {impl} | {ms:.1f}{reps} |{cpu_s} {floor_ms:.1f} | {ms / floor_ms:.2f} "
+                print(f"| {batch} | {dim} | {impl} | {ms:.1f}{reps} |{cpu_s} {floor_ms:.3g} | {ms / floor_ms:.2f} "
                       f"| {peak_s} | {loss:.6f} |", flush=True)
             del inputs
 
