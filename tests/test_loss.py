@@ -36,6 +36,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from recipe.loss import LOSS_MODES, ClipLoss, all_gather_with_grad
 
+from .clip_reference import assert_grad_close, clip_reference
+from .dist_utils import run_distributed
+
 
 def _cpu_modes() -> list[str]:
     """The modes that run on CPU tensors here: "fused" only when its Triton kernels run interpreted
@@ -52,8 +55,6 @@ def _cpu_modes() -> list[str]:
 
 
 CPU_MODES = _cpu_modes()
-
-from .dist_utils import run_distributed
 
 DIM = 16
 WORLD_SIZES = (1, 2, 4)
@@ -131,31 +132,6 @@ def _open_clip_loss_module() -> ModuleType | None:
     loss_spec.loader.exec_module(module)
     return module
 
-
-def _reference(image: torch.Tensor, text: torch.Tensor, scale: float, bias: float | None) -> dict:
-    """Single-process float64 full-batch CLIP loss, its gradients and accuracies."""
-    image = image.double().requires_grad_()
-    text = text.double().requires_grad_()
-    s = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
-    b = torch.tensor(0.0 if bias is None else bias, dtype=torch.float64, requires_grad=True)
-    logits = s * image @ text.T + b
-    targets = torch.arange(image.shape[0])
-    loss = (F.cross_entropy(logits, targets) + F.cross_entropy(logits.T, targets)) / 2
-    loss.backward()
-    return {
-        "loss": loss.detach(),
-        "grad_image": image.grad,
-        "grad_text": text.grad,
-        "grad_scale": s.grad,
-        "grad_bias": b.grad,
-        "acc_i2t": (logits.argmax(1) == targets).double().mean(),
-        "acc_t2i": (logits.T.argmax(1) == targets).double().mean(),
-    }
-
-
-# --------------------------------------------------------------------------------------------------
-# Worker (runs on every rank)
-# --------------------------------------------------------------------------------------------------
 
 
 def _dp_mean(t: torch.Tensor) -> torch.Tensor:
@@ -265,18 +241,12 @@ def _world_results(world: int) -> list[dict]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
-    err = (actual - expected).abs().max().item()
-    bound = tol * expected.abs().max().item()
-    assert torch.isfinite(actual).all(), f"{what}: non-finite gradient"
-    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
-
 
 def _assert_matches_reference(got: dict, ref: dict, case: Case) -> None:
     loss_rtol, grad_tol, scale_rtol = TOLERANCES[case.dtype]
     torch.testing.assert_close(got["loss"], ref["loss"], rtol=loss_rtol, atol=1e-7)
-    _assert_grad_close(got["grad_image"], ref["grad_image"], grad_tol, "image grad")
-    _assert_grad_close(got["grad_text"], ref["grad_text"], grad_tol, "text grad")
+    assert_grad_close(got["grad_image"], ref["grad_image"], grad_tol, "image grad")
+    assert_grad_close(got["grad_text"], ref["grad_text"], grad_tol, "text grad")
     torch.testing.assert_close(got["grad_scale"], ref["grad_scale"], rtol=scale_rtol, atol=1e-7)
     if case.bias is not None:  # softmax CE is shift invariant: the reference bias gradient is ~0
         torch.testing.assert_close(got["grad_bias"], ref["grad_bias"], rtol=0, atol=1e-6)
@@ -288,7 +258,7 @@ def test_matches_full_batch_reference_after_data_parallel_mean(world: int) -> No
     informative = []
     for case in _cases_for(world):
         image, text = _inputs(case, world)
-        ref = _reference(image, text, float(torch.tensor(case.scale)), case.bias)
+        ref = clip_reference(image, text, float(torch.tensor(case.scale)), case.bias)
         got = results[0]["cases"][case.name]
         try:
             _assert_matches_reference(got, ref, case)
@@ -315,11 +285,11 @@ def test_matches_open_clip(world: int) -> None:
         case = next(c for c in CASES if c.name == case_name)
         ours = results[0]["cases"][case_name]
         image, text = _inputs(case, world)
-        ref = _reference(image, text, float(torch.tensor(case.scale)), case.bias)
+        ref = clip_reference(image, text, float(torch.tensor(case.scale)), case.bias)
         _assert_matches_reference(theirs, ref, case)  # open_clip itself is right in this setup
         torch.testing.assert_close(ours["loss"], theirs["loss"], rtol=1e-5, atol=1e-7)
         for key in ("grad_image", "grad_text"):
-            _assert_grad_close(ours[key], theirs[key], 2e-5, f"{case_name} {key} vs open_clip")
+            assert_grad_close(ours[key], theirs[key], 2e-5, f"{case_name} {key} vs open_clip")
         torch.testing.assert_close(ours["grad_scale"], theirs["grad_scale"], rtol=1e-4, atol=1e-7)
 
 
@@ -356,7 +326,7 @@ def test_without_process_group_matches_reference(mode: str) -> None:
     loss_fn = ClipLoss(mode=mode, chunk_size=case.chunk)
     loss, metrics = loss_fn(x, y, scale, bias, return_metrics=True)
     loss.backward()
-    ref = _reference(image, text, case.scale, case.bias)
+    ref = clip_reference(image, text, case.scale, case.bias)
     got = {"loss": loss.double(), "grad_image": x.grad.double(), "grad_text": y.grad.double(),
            "grad_scale": scale.grad.double(), "grad_bias": bias.grad.double()}
     _assert_matches_reference(got, ref, case)
@@ -382,8 +352,8 @@ def test_plain_and_chunked_agree_on_a_larger_batch(dtype: torch.dtype) -> None:
     torch.testing.assert_close(lc, lp, rtol=1e-5, atol=0)
     torch.testing.assert_close(sc, sp, rtol=1e-4, atol=1e-7)
     tol = 2e-5 if dtype == torch.float32 else 1e-2
-    _assert_grad_close(xc, xp, tol, "image grad")
-    _assert_grad_close(yc, yp, tol, "text grad")
+    assert_grad_close(xc, xp, tol, "image grad")
+    assert_grad_close(yc, yp, tol, "text grad")
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -424,14 +394,14 @@ def test_fp16_at_scale_100_stays_finite_where_fp16_logits_overflow() -> None:
     x16, y16 = image.half(), text.half()
     naive = (100.0 * x16 @ y16.T).exp().sum(1)  # what an fp16 log-sum-exp without a max would do
     assert not torch.isfinite(naive).all()
-    ref = _reference(x16, y16, 100.0, None)
+    ref = clip_reference(x16, y16, 100.0, None)
     for mode in CPU_MODES:
         x, y = x16.clone().requires_grad_(), y16.clone().requires_grad_()
         scale = torch.tensor(100.0, requires_grad=True)
         loss = ClipLoss(mode=mode, chunk_size=24)(x, y, scale)
         loss.backward()
         torch.testing.assert_close(loss.double(), ref["loss"], rtol=1e-5, atol=1e-7)
-        _assert_grad_close(x.grad.double(), ref["grad_image"], 3e-3, f"{mode} image grad")
+        assert_grad_close(x.grad.double(), ref["grad_image"], 3e-3, f"{mode} image grad")
         torch.testing.assert_close(scale.grad.double(), ref["grad_scale"], rtol=1e-4, atol=1e-7)
 
 
@@ -450,7 +420,7 @@ def test_autocast_region_keeps_fp32_logits(mode: str) -> None:
         results.append((loss.detach(), x.grad, scale.grad))
     (l0, g0, s0), (l1, g1, s1) = results
     torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)  # bf16 logits would be off by ~1e-2
-    _assert_grad_close(g1, g0, 1e-5, "image grad under autocast")
+    assert_grad_close(g1, g0, 1e-5, "image grad under autocast")
     torch.testing.assert_close(s1, s0, rtol=1e-5, atol=0)
 
 
@@ -464,7 +434,7 @@ def test_cuda_matches_reference_and_chunked_saves_memory(dtype: str) -> None:
     image = F.normalize(torch.randn(1000, 64, generator=gen, dtype=torch.float64), dim=1)
     text = F.normalize(image + 0.5 * torch.randn(1000, 64, generator=gen, dtype=torch.float64), dim=1)
     image, text = image.to(getattr(torch, dtype)), text.to(getattr(torch, dtype))
-    ref = _reference(image, text, 100.0, None)
+    ref = clip_reference(image, text, 100.0, None)
     loss_rtol, grad_tol, scale_rtol = TOLERANCES[dtype]
     for mode in LOSS_MODES:
         x, y = image.to(device).requires_grad_(), text.to(device).requires_grad_()
@@ -472,8 +442,8 @@ def test_cuda_matches_reference_and_chunked_saves_memory(dtype: str) -> None:
         loss = ClipLoss(mode=mode, chunk_size=256)(x, y, scale)
         loss.backward()
         torch.testing.assert_close(loss.double().cpu(), ref["loss"], rtol=loss_rtol, atol=1e-7)
-        _assert_grad_close(x.grad.double().cpu(), ref["grad_image"], grad_tol, f"{mode} image grad")
-        _assert_grad_close(y.grad.double().cpu(), ref["grad_text"], grad_tol, f"{mode} text grad")
+        assert_grad_close(x.grad.double().cpu(), ref["grad_image"], grad_tol, f"{mode} image grad")
+        assert_grad_close(y.grad.double().cpu(), ref["grad_text"], grad_tol, f"{mode} text grad")
         torch.testing.assert_close(scale.grad.double().cpu(), ref["grad_scale"], rtol=scale_rtol, atol=1e-7)
     rows, dim, chunk = 8192, 64, 512
     x = F.normalize(torch.randn(rows, dim, device=device), dim=1).to(getattr(torch, dtype)).requires_grad_()

@@ -46,6 +46,7 @@ if not CUDA:  # read when the kernels are decorated (recipe.loss_kernels would s
 from recipe import loss_kernels as lk  # noqa: E402
 from recipe.loss import ClipLoss  # noqa: E402
 
+from .clip_reference import assert_grad_close, clip_reference
 from .dist_utils import run_distributed  # noqa: E402
 
 HAVE_TRITON = lk.is_available()
@@ -97,39 +98,14 @@ def _inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     return image.to(dtype), text.to(dtype)
 
 
-def _reference(image: torch.Tensor, text: torch.Tensor, scale: float, bias: float | None) -> dict:
-    """Float64 full-batch CLIP loss, gradients and accuracies."""
-    image = image.double().requires_grad_()
-    text = text.double().requires_grad_()
-    s = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
-    b = torch.tensor(0.0 if bias is None else bias, dtype=torch.float64, requires_grad=True)
-    logits = s * image @ text.T + b
-    targets = torch.arange(image.shape[0])
-    loss = (F.cross_entropy(logits, targets) + F.cross_entropy(logits.T, targets)) / 2
-    loss.backward()
-    return {
-        "loss": loss.detach(),
-        "grad_image": image.grad,
-        "grad_text": text.grad,
-        "grad_scale": s.grad,
-        "acc_i2t": (logits.argmax(1) == targets).double().mean(),
-        "acc_t2i": (logits.argmax(0) == targets).double().mean(),
-    }
-
-
-def _assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
-    assert torch.isfinite(actual).all(), f"{what}: non-finite gradient"
-    err = (actual.double() - expected).abs().max().item()
-    bound = tol * expected.abs().max().item()
-    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
 def _assert_matches(got: dict, ref: dict, dtype: str, what: str, tolerances: dict = TOLERANCES) -> None:
     loss_rtol, grad_tol, scale_rtol = tolerances[dtype]
     try:
         torch.testing.assert_close(got["loss"].double(), ref["loss"], rtol=loss_rtol, atol=0)
-        _assert_grad_close(got["grad_image"], ref["grad_image"], grad_tol, "image grad")
-        _assert_grad_close(got["grad_text"], ref["grad_text"], grad_tol, "text grad")
+        assert_grad_close(got["grad_image"], ref["grad_image"], grad_tol, "image grad")
+        assert_grad_close(got["grad_text"], ref["grad_text"], grad_tol, "text grad")
         torch.testing.assert_close(got["grad_scale"].double(), ref["grad_scale"], rtol=scale_rtol, atol=0)
         if "grad_bias" in got:
             assert got["grad_bias"].item() == 0.0, got["grad_bias"]
@@ -174,7 +150,7 @@ SINGLE_CASES = (
 def test_single_block_matches_float64_reference(case: Case) -> None:
     image, text = _inputs(case)
     got = _run_loss(image, text, case, chunk=TILE)
-    ref = _reference(image, text, case.scale, case.bias)
+    ref = clip_reference(image, text, case.scale, case.bias)
     _assert_matches(got, ref, case.dtype, case.name)
 
 
@@ -202,8 +178,8 @@ def test_row_blocks_with_offsets_and_rectangular_tiles() -> None:
         (ref_ce * weights).sum().backward()
         torch.testing.assert_close(ce.double(), ref_ce.detach(), rtol=5e-6, atol=1e-7)
         assert torch.equal(correct, logits.argmax(1) == targets)
-        _assert_grad_close(a.grad, ra.grad, 1e-5, f"rows grad, scale {scale_value}")
-        _assert_grad_close(b.grad, rb.grad, 1e-5, f"cols grad, scale {scale_value}")
+        assert_grad_close(a.grad, ra.grad, 1e-5, f"rows grad, scale {scale_value}")
+        assert_grad_close(b.grad, rb.grad, 1e-5, f"cols grad, scale {scale_value}")
         torch.testing.assert_close(scale.grad.double(), rs.grad, rtol=2e-5, atol=0)
 
 
@@ -407,7 +383,7 @@ def _dist_results() -> list[dict]:
 def test_world_size_2_matches_float64_reference_after_data_parallel_mean(case: Case) -> None:
     results = _dist_results()
     image, text = _inputs(case)
-    ref = _reference(image, text, case.scale, case.bias)
+    ref = clip_reference(image, text, case.scale, case.bias)
     got = results[0][case.name]
     assert got["interpreted"]
     _assert_matches(got, ref, case.dtype, f"world 2, {case.name}")
@@ -433,7 +409,7 @@ GPU_CASES = (
 def test_gpu_matches_float64_reference(case: Case, chunk: int, device: str) -> None:
     image, text = _inputs(case)
     got = _run_loss(image, text, case, chunk=chunk, device=device)
-    ref = _reference(image, text, case.scale, case.bias)
+    ref = clip_reference(image, text, case.scale, case.bias)
     _assert_matches(got, ref, case.dtype, f"{case.name} chunk {chunk}", GPU_TOLERANCES)
 
 
@@ -443,7 +419,7 @@ def test_gpu_row_blocks_and_bands(dtype: str, device: str) -> None:
     """The sharded path (two row blocks) with several bands, against the float64 reference."""
     case = Case(dtype, 100.0, (300, 700), 128)
     image, text = _inputs(case)
-    ref = _reference(image, text, case.scale, None)
+    ref = clip_reference(image, text, case.scale, None)
     cfg = dataclasses.replace(lk.default_config(image.dtype, 128), band_cols=256)
     x, y = image.to(device, copy=True).requires_grad_(), text.to(device, copy=True).requires_grad_()
     scale = torch.tensor(case.scale, device=device, requires_grad=True)
