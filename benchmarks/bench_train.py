@@ -1,0 +1,779 @@
+"""Training throughput and memory: this recipe under DeepSpeed next to OpenCLIP, in one run.
+
+Arms (each trains on the same random pixels and tokens, generated from one seed):
+
+* ``recipe-<loss mode>``: :func:`recipe.model.create_model` (``ViT-B-32`` preset on CUDA, ``tiny``
+  on CPU) under DeepSpeed with ``ds_configs/zero2_bf16_halfmaster.json`` (bf16, ZeRO-2), SRAdamW
+  over the CLIP paper's groups as :mod:`recipe.train` builds them (text tower: SR bf16 weights and
+  bf16 states, no master; image tower and logit scale: fp32 master), :class:`recipe.loss.ClipLoss`
+  in each requested mode that exists (``plain``; ``fused`` once :data:`recipe.loss.LOSS_MODES` has
+  it). One process, world size 1: the script sets the launcher's environment itself.
+* ``openclip``: ``open_clip.create_model("ViT-B-32")`` on CUDA (on CPU the same factory with the
+  ``tiny`` preset's sizes: 32 px images, patch 8, 2 layers of width 64 per tower, 4,096 tokens,
+  context 32, embedding 64), fp32 weights under ``torch.autocast(bfloat16)``, ``torch.optim.AdamW``
+  (``fused=True`` on CUDA) with OpenCLIP's decay / no-decay split, and ``open_clip.loss.ClipLoss``.
+  Without ``open_clip`` installed the arm is ``torch-amp``: the recipe's own model in fp32 under
+  the same autocast + AdamW, with the recipe's plain loss (the table says so).
+
+Per arm, with and without gradient checkpointing: samples/s over ``--steps`` timed steps after
+``--warmup`` steps (one step = forward, loss, backward, optimizer step), peak memory during the
+timed steps, and the largest batch that fits.
+
+Memory: on CUDA ``torch.cuda.max_memory_allocated()`` (weights, gradients, optimizer state and
+activations; the peak is reset after the warm-up steps); on CPU the peak resident set size during
+the timed steps minus the resident size before the model was built (Linux ``VmHWM``, reset after
+the warm-up). "Fits" means: on CUDA, two training steps without running out of memory; on CPU,
+a peak within ``--cpu-budget-mib`` (a stand-in for device memory, so the search can be exercised).
+The search doubles the batch from ``--batch`` up to ``--max-batch``, then bisects between the
+last batch that fitted and the first that did not, to ``--fit-tolerance`` (relative) or
+``--fit-granularity``. Every arm and setting runs in its own process (clean peak memory; a CUDA
+out-of-memory error never poisons a later measurement), and a probe after a failure starts a
+fresh process.
+
+Usage::
+
+    python benchmarks/bench_train.py                      # CUDA if present: ViT-B-32, batch 512
+    python benchmarks/bench_train.py --device cpu         # tiny presets, batch 32
+    python benchmarks/bench_train.py --fit none --ckpt off --steps 5   # quick look
+
+Output: a markdown table (device, versions, date) on stdout and a JSON file
+(``benchmarks/results/bench_train_<device>.json`` by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import datetime
+import gc
+import hashlib
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+__all__ = [
+    "BenchSettings",
+    "Arm",
+    "available_arms",
+    "make_inputs",
+    "input_checksum",
+    "RecipeRunner",
+    "OpenClipRunner",
+    "largest_fitting",
+    "run_benchmark",
+    "markdown_table",
+    "main",
+]
+
+RESULT_TAG = "BENCH_TRAIN_RESULT "
+GIB = 2**30
+MIB = 2**20
+DEFAULT_DS_CONFIG = str(ROOT / "ds_configs" / "zero2_bf16_halfmaster.json")
+
+#: open_clip keyword overrides that give the ``tiny`` preset's sizes.
+OPENCLIP_TINY = dict(
+    embed_dim=64,
+    vision_cfg=dict(image_size=32, layers=2, width=64, patch_size=8, head_width=32),
+    text_cfg=dict(context_length=32, vocab_size=4096, width=64, heads=2, layers=2),
+)
+
+
+@dataclass
+class BenchSettings:
+    """What to measure. Device-dependent defaults are filled in by :func:`resolve_settings`."""
+
+    device: str = "cuda"
+    preset: str | None = None  # ViT-B-32 on CUDA, tiny on CPU
+    batch: int | None = None  # 512 on CUDA, 32 on CPU
+    warmup: int = 3
+    steps: int = 10
+    ckpt: list[bool] = field(default_factory=lambda: [False, True])
+    loss_modes: list[str] = field(default_factory=lambda: ["plain", "fused"])
+    baseline: bool = True
+    fit: str = "all"  # all | off (checkpointing off only) | none
+    max_batch: int | None = None  # 65536 on CUDA, 4 x batch on CPU
+    fit_tolerance: float = 0.05
+    fit_granularity: int | None = None  # 32 on CUDA, 8 on CPU
+    cpu_budget_mib: float = 600.0
+    ds_config: str = DEFAULT_DS_CONFIG
+    seed: int = 0
+    threads: int | None = None
+    timeout_s: float = 1800.0
+
+
+def resolve_settings(s: BenchSettings) -> BenchSettings:
+    """Fills the device-dependent defaults and validates."""
+    cuda = s.device.startswith("cuda")
+    s.preset = s.preset or ("ViT-B-32" if cuda else "tiny")
+    s.batch = s.batch or (512 if cuda else 32)
+    s.max_batch = s.max_batch or (65536 if cuda else 4 * s.batch)
+    s.fit_granularity = s.fit_granularity or (32 if cuda else 8)
+    if s.threads is None and not cuda:
+        s.threads = 1  # on a shared CPU, OpenMP threads that wait on each other cost more than they give
+    if s.batch < 2 or s.steps < 1 or s.warmup < 1:
+        raise ValueError("need batch >= 2, steps >= 1 and warmup >= 1 (the first step creates the optimizer state)")
+    if s.fit not in ("all", "off", "none"):
+        raise ValueError(f"fit must be all, off or none, got {s.fit!r}")
+    if s.max_batch < s.batch:
+        raise ValueError(f"max_batch ({s.max_batch}) is below batch ({s.batch})")
+    if cuda and not torch.cuda.is_available():
+        raise ValueError("--device cuda but CUDA is not available (use --device cpu)")
+    return s
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """Token conventions of a text tower."""
+
+    vocab_size: int
+    context_length: int
+    bos: int
+    eos: int
+    pad: int = 0
+
+
+def make_inputs(batch: int, image_size: int, text: TextSpec, seed: int) -> dict[str, torch.Tensor]:
+    """Random pixels ``[B, 3, S, S]`` (standard normal) and token rows: ``bos``, random ids that
+    are none of the special ids, ``eos`` at a random length in ``[3, context]``, ``pad`` after.
+
+    Rows are a prefix-stable function of ``seed``: row ``i`` does not depend on ``batch``.
+    """
+    pixels, ids, mask = [], [], []
+    for i in range(batch):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        pixels.append(torch.randn(3, image_size, image_size, generator=gen))
+        length = int(torch.randint(3, text.context_length + 1, (1,), generator=gen))
+        row = torch.full((text.context_length,), text.pad, dtype=torch.long)
+        low = 1 + max(text.pad, 2)
+        body = torch.randint(low, text.vocab_size - 2, (length - 2,), generator=gen)
+        body = torch.where((body == text.bos) | (body == text.eos), torch.full_like(body, low), body)
+        row[0], row[1 : length - 1], row[length - 1] = text.bos, body, text.eos
+        ids.append(row)
+        m = torch.zeros(text.context_length, dtype=torch.long)
+        m[:length] = 1
+        mask.append(m)
+    return {"pixel_values": torch.stack(pixels), "input_ids": torch.stack(ids), "attention_mask": torch.stack(mask)}
+
+
+def input_checksum(inputs: dict[str, torch.Tensor], text: TextSpec) -> str:
+    """SHA-1 of the pixels, the attention mask and the tokens with the begin/end-of-text ids
+    written as -2/-1, so that models that differ only in those two ids get the same checksum."""
+    h = hashlib.sha1()
+    h.update(inputs["pixel_values"].float().numpy().tobytes())
+    ids = inputs["input_ids"].clone()
+    ids[ids == text.eos] = -1
+    ids[ids == text.bos] = -2
+    h.update(ids.numpy().tobytes())
+    h.update(inputs["attention_mask"].numpy().tobytes())
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# runners: build a model + optimizer once, then train steps at any batch size
+# ----------------------------------------------------------------------------------------------
+
+
+class Runner:
+    """One arm in one process: ``step(inputs) -> loss``; inputs are on the device."""
+
+    name = "runner"
+    description = ""
+    text: TextSpec
+    image_size: int
+    params: int
+
+    def step(self, inputs: dict[str, torch.Tensor]) -> float:
+        raise NotImplementedError
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_single_process_distributed(device: torch.device) -> None:
+    """World size 1 without a launcher: sets the environment ``deepspeed`` reads, then initialises."""
+    import deepspeed
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+
+
+class RecipeRunner(Runner):
+    """The recipe: DeepSpeed engine, SRAdamW groups from :func:`recipe.train.build_optimizer`,
+    :class:`recipe.loss.ClipLoss`; the step mirrors :func:`recipe.train.train`'s (non-finite loss
+    flag passed to SRAdamW through ``step_kwargs``)."""
+
+    def __init__(self, preset: str, loss_mode: str, ckpt: bool, ds_config: str, device: torch.device, batch: int, seed: int = 0) -> None:
+        import deepspeed
+
+        from recipe.config import ModelArgs, TrainConfig
+        from recipe.loss import ClipLoss
+        from recipe.model import create_model
+        from recipe.precision import resolve_precision
+        from recipe.train import build_optimizer
+
+        init_single_process_distributed(device)
+        ds = json.loads(Path(ds_config).read_text())
+        ds["train_micro_batch_size_per_gpu"] = batch
+        ds["gradient_accumulation_steps"] = 1
+        ds.pop("train_batch_size", None)
+        self.prec, ds = resolve_precision(ds)
+        if self.prec.loss_scaler is not None:
+            raise ValueError("bench_train runs the bf16/fp32 routes; the fp16 route needs the recipe's loss scaling")
+        torch.manual_seed(seed)
+        model = create_model(preset)
+        model.set_grad_checkpointing(ckpt)
+        cfg = TrainConfig(deepspeed_config=ds_config, model=ModelArgs(preset=preset, grad_checkpointing=ckpt))
+        self.opt = build_optimizer(model, cfg, self.prec)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.opt, config=ds)
+        self.loss_fn = ClipLoss(mode=loss_mode, validate=False)
+        self.device = device
+        self.name = f"recipe-{loss_mode}"
+        self.description = f"recipe {preset}, DeepSpeed {self.prec.label} (SR text, fp32-master image), ClipLoss {loss_mode}"
+        tcfg = model.text.config
+        self.text = TextSpec(int(tcfg.vocab_size), int(model.context_length), int(tcfg.bos_token_id), int(tcfg.eos_token_id), int(tcfg.pad_token_id or 0))
+        self.image_size = int(model.image_data_config()["input_size"][-1])
+        self.params = sum(p.numel() for p in model.parameters())
+
+    def step(self, inputs: dict[str, torch.Tensor]) -> float:
+        from recipe.train import step_kwargs
+
+        img, txt, scale = self.engine(inputs["pixel_values"].to(self.prec.param_dtype), inputs["input_ids"], inputs["attention_mask"])
+        loss = self.loss_fn(img, txt, scale)
+        self.engine.backward(loss)
+        found_inf = torch.tensor(float(not torch.isfinite(loss.detach())))
+        with step_kwargs(self.opt, found_inf=found_inf):
+            self.engine.step()
+        return float(loss.detach())
+
+
+def _openclip_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """OpenCLIP's split: no decay for gains, biases, norms, embeddings' 1-d params and the logit scale."""
+    no_decay, decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        exclude = p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+        (no_decay if exclude else decay).append(p)
+    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+
+
+class OpenClipRunner(Runner):
+    """OpenCLIP's training step: fp32 weights, bf16 autocast, torch AdamW, its ClipLoss, then the
+    logit-scale clamp. Without ``open_clip`` (``fallback=True``): the recipe's model in the same
+    setting with the recipe's plain loss."""
+
+    def __init__(self, preset: str, ckpt: bool, device: torch.device, seed: int = 0, fallback: bool = False) -> None:
+        torch.manual_seed(seed)
+        if fallback:
+            from recipe.loss import ClipLoss
+            from recipe.model import create_model
+
+            model = create_model(preset)
+            tcfg = model.text.config
+            self.text = TextSpec(int(tcfg.vocab_size), int(model.context_length), int(tcfg.bos_token_id), int(tcfg.eos_token_id), int(tcfg.pad_token_id or 0))
+            self.image_size = int(model.image_data_config()["input_size"][-1])
+            self.loss_fn: Callable[..., torch.Tensor] = ClipLoss(validate=False)
+            self.name = "torch-amp"
+            self.description = f"recipe {preset} model in fp32, bf16 autocast, torch AdamW, recipe plain loss (open_clip not installed)"
+            self._forward = lambda m, x: m(x["pixel_values"], x["input_ids"], x["attention_mask"])
+        else:
+            import open_clip
+            from open_clip.loss import ClipLoss as OpenClipLoss
+
+            kwargs = {} if preset == "ViT-B-32" else OPENCLIP_TINY
+            if preset not in ("ViT-B-32", "tiny"):
+                raise ValueError(f"no open_clip counterpart for preset {preset!r} (ViT-B-32 or tiny)")
+            model = open_clip.create_model("ViT-B-32", **kwargs)
+            cfg = open_clip.get_model_config("ViT-B-32")["text_cfg"] if not kwargs else kwargs["text_cfg"]
+            vocab, ctx = int(cfg["vocab_size"]), int(cfg["context_length"])
+            # OpenCLIP pools at the largest token id: end-of-text is the last id of the vocabulary.
+            self.text = TextSpec(vocab, ctx, bos=vocab - 2, eos=vocab - 1)
+            self.image_size = int(model.visual.image_size[0] if isinstance(model.visual.image_size, (tuple, list)) else model.visual.image_size)
+            self.loss_fn = OpenClipLoss()
+            self.name = "openclip"
+            self.description = f"open_clip {open_clip.__version__} ViT-B-32{'' if not kwargs else ' (tiny sizes)'}, bf16 autocast, torch AdamW, open_clip ClipLoss"
+            self._forward = lambda m, x: m(x["pixel_values"], x["input_ids"])
+        model.to(device)
+        model.set_grad_checkpointing(ckpt)
+        fused = {"fused": True} if device.type == "cuda" else {}
+        self.opt = torch.optim.AdamW(_openclip_param_groups(model, 0.2), lr=5e-4, betas=(0.9, 0.98), eps=1e-6, **fused)
+        self.model, self.device = model, device
+        self.params = sum(p.numel() for p in model.parameters())
+
+    def step(self, inputs: dict[str, torch.Tensor]) -> float:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            img, txt, scale = self._forward(self.model, inputs)[:3]
+            loss = self.loss_fn(img, txt, scale)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            self.model.logit_scale.clamp_(0, math.log(100))
+        return float(loss.detach())
+
+
+# ----------------------------------------------------------------------------------------------
+# measuring one arm (in a worker process)
+# ----------------------------------------------------------------------------------------------
+
+
+class _CpuPeak:
+    """Peak resident set size of this process since :meth:`reset` (Linux ``VmHWM``)."""
+
+    def __init__(self) -> None:
+        name = ctypes.util.find_library("c")
+        self.libc = ctypes.CDLL(name) if name else None
+        self.available = sys.platform.startswith("linux") and os.path.exists("/proc/self/clear_refs")
+
+    @staticmethod
+    def _kib(field_name: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+        raise KeyError(field_name)
+
+    def rss_bytes(self) -> int:
+        gc.collect()
+        if self.libc is not None and hasattr(self.libc, "malloc_trim"):
+            self.libc.malloc_trim(0)
+        return self._kib("VmRSS") * 1024
+
+    def reset(self) -> None:
+        self.rss_bytes()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    def peak_bytes(self) -> int:
+        return self._kib("VmHWM") * 1024
+
+
+class _Meter:
+    """Peak memory of a region, CUDA or CPU, in bytes (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu = _CpuPeak() if device.type == "cpu" else None
+        if self.cpu is not None and not self.cpu.available:
+            raise RuntimeError("CPU peak memory needs Linux /proc/self/clear_refs")
+        self.base = self.cpu.rss_bytes() if self.cpu else 0
+
+    def reset(self) -> None:
+        if self.cpu:
+            self.cpu.reset()
+        else:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        if self.cpu:
+            return self.cpu.peak_bytes() - self.base
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def _preload(arm: str) -> None:
+    """Imports what the arm needs, so that the memory baseline already holds the libraries' code."""
+    import recipe.model  # noqa: F401
+
+    if arm.startswith("recipe-"):
+        import deepspeed  # noqa: F401
+
+        import recipe.train  # noqa: F401
+    elif arm == "openclip":
+        import open_clip  # noqa: F401
+
+
+def build_runner(spec: dict[str, Any], device: torch.device) -> Runner:
+    """The runner an arm name stands for (``recipe-<mode>``, ``openclip``, ``torch-amp``)."""
+    arm = spec["arm"]
+    if arm.startswith("recipe-"):
+        return RecipeRunner(spec["preset"], arm.removeprefix("recipe-"), spec["ckpt"], spec["ds_config"], device, spec["batches"][0]["batch"], spec["seed"])
+    if arm in ("openclip", "torch-amp"):
+        return OpenClipRunner(spec["preset"], spec["ckpt"], device, spec["seed"], fallback=arm == "torch-amp")
+    raise ValueError(f"unknown arm {arm!r}")
+
+
+def measure_worker(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> None:
+    """Builds the arm once and measures each ``spec["batches"]`` entry in order, emitting one result
+    per entry; stops after the first that does not fit (out of memory, or over the CPU budget)."""
+    device = torch.device(spec["device"])
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    _preload(spec["arm"])
+    meter = _Meter(device)
+    runner = build_runner(spec, device)
+    for entry in spec["batches"]:
+        batch, warmup, steps = entry["batch"], entry["warmup"], entry["steps"]
+        inputs = make_inputs(batch, runner.image_size, runner.text, spec["seed"])
+        out: dict[str, Any] = {"arm": runner.name, "ckpt": spec["ckpt"], "batch": batch, "kind": entry["kind"], "params": runner.params, "description": runner.description, "checksum": input_checksum(inputs, runner.text)}
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        try:
+            losses = [runner.step(inputs) for _ in range(warmup)]
+            gc.collect()
+            meter.reset()
+            _sync(device)
+            t0 = time.perf_counter()
+            losses += [runner.step(inputs) for _ in range(steps)]
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            peak = meter.peak()
+        except (torch.OutOfMemoryError, RuntimeError) as err:
+            if not _is_oom(err):
+                raise
+            out.update(fits=False, error="out of memory")
+            emit(out)
+            return
+        fits = all(math.isfinite(v) for v in losses) and (device.type == "cuda" or peak <= spec["cpu_budget_mib"] * MIB)
+        out.update(fits=fits, seconds=elapsed, steps=steps, samples_per_s=batch * steps / elapsed, peak_bytes=peak, first_loss=losses[0], last_loss=losses[-1])
+        emit(out)
+        if not fits:
+            return
+        del inputs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# orchestration
+# ----------------------------------------------------------------------------------------------
+
+
+def largest_fitting(
+    probe: Callable[[list[int]], dict[int, bool]],
+    start: int,
+    max_batch: int,
+    tolerance: float,
+    granularity: int,
+    known: dict[int, bool] | None = None,
+) -> dict[str, Any]:
+    """Largest batch size in ``[start, max_batch]`` that fits, assuming that fitting is monotone.
+
+    Doubles from ``start`` (then ``max_batch``) until a batch does not fit, then bisects between
+    the last batch that fitted and the first that did not.
+
+    Args:
+        probe: ``probe(batches) -> {batch: fits}``; tries ``batches`` in order and may stop after
+            the first that does not fit (batches left out count as not fitting).
+        start: First batch of the doubling phase.
+        max_batch: Upper end of the search.
+        tolerance: Stop bisecting when ``hi - lo <= tolerance * lo`` ...
+        granularity: ... or ``hi - lo <= granularity``; bisection probes are multiples of it.
+        known: Results already measured (e.g. the timed batch and a first doubling pass).
+
+    Returns:
+        ``{"largest": lo, "first_failing": hi, "probes": {batch: fits}, "capped": bool}``: ``lo`` is
+        ``None`` when ``start`` does not fit, ``hi`` is ``None`` when ``max_batch`` fits (then
+        ``capped`` is true: the real limit may be higher).
+    """
+    results: dict[int, bool] = dict(known or {})
+    ladder, b = [], start
+    while b < max_batch:
+        ladder.append(b)
+        b *= 2
+    ladder.append(max_batch)
+    for i, b in enumerate(ladder):
+        if b not in results:
+            todo = [x for x in ladder[i:] if x not in results]
+            got = probe(todo)
+            for x in todo:
+                results[x] = bool(got.get(x, False))
+                if not results[x]:
+                    break
+        if not results.get(b, False):
+            break
+    lo = hi = None
+    for b in ladder:
+        if not results.get(b, False):
+            hi = b
+            break
+        lo = b
+    while lo is not None and hi is not None and hi - lo > max(granularity, tolerance * lo):
+        mid = (lo + hi) // 2 // granularity * granularity
+        if mid <= lo:
+            break
+        if mid not in results:
+            results[mid] = bool(probe([mid]).get(mid, False))
+        if results[mid]:
+            lo = mid
+        else:
+            hi = mid
+    return {"largest": lo, "first_failing": hi, "probes": dict(sorted(results.items())), "capped": hi is None}
+
+
+def _worker_env(device: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    return env
+
+
+def run_worker(spec: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+    """Runs :func:`measure_worker` in a fresh process; returns the results it emitted. A process
+    that dies (e.g. killed for memory) without emitting a result for an entry counts that entry
+    as not fitting."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_worker_env(spec["device"]), cwd=str(ROOT))
+    out = [json.loads(line[len(RESULT_TAG):]) for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
+    if proc.returncode != 0:
+        died_oom = "out of memory" in proc.stderr.lower() or proc.returncode in (-9, 137)
+        if not died_oom:
+            raise RuntimeError(f"worker for {spec['arm']} (ckpt={spec['ckpt']}) failed with code {proc.returncode}:\n{proc.stderr[-4000:]}")
+        done = {r["batch"] for r in out}
+        for entry in spec["batches"]:
+            if entry["batch"] not in done:
+                out.append({"arm": spec["arm"], "ckpt": spec["ckpt"], "batch": entry["batch"], "kind": entry["kind"], "fits": False, "error": "process died (out of memory)"})
+                break
+    return out
+
+
+def _loss_mode_unavailable(mode: str, device: str) -> str | None:
+    """Why ClipLoss ``mode`` cannot be benchmarked on ``device`` (None: it can)."""
+    from recipe.loss import LOSS_MODES
+
+    if mode not in LOSS_MODES:
+        return f"ClipLoss mode {mode!r} is not in recipe.loss.LOSS_MODES {sorted(LOSS_MODES)}"
+    if mode == "fused":
+        from recipe import loss_kernels
+
+        if not loss_kernels.is_available():
+            return f"the fused loss needs Triton ({loss_kernels.unavailable_reason()})"
+        if not device.startswith("cuda"):
+            return "the fused loss runs compiled Triton kernels on CUDA only (on CPU only under TRITON_INTERPRET=1, a test mode)"
+    return None
+
+
+def available_arms(loss_modes: list[str], baseline: bool, device: str = "cpu") -> tuple[list[str], dict[str, str]]:
+    """Arms to run and, for each requested one that cannot run, why."""
+    arms, missing = [], {}
+    for mode in loss_modes:
+        why = _loss_mode_unavailable(mode, device)
+        if why is None:
+            arms.append(f"recipe-{mode}")
+        else:
+            missing[f"recipe-{mode}"] = why
+    if baseline:
+        try:
+            import open_clip  # noqa: F401
+        except ImportError:
+            arms.append("torch-amp")
+            missing["openclip"] = "open_clip is not installed (pip install -e '.[bench]'); baseline is torch-amp"
+        else:
+            arms.append("openclip")
+    return arms, missing
+
+
+def _spec(s: BenchSettings, arm: str, ckpt: bool, batches: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "arm": arm, "ckpt": ckpt, "preset": s.preset, "device": s.device, "ds_config": s.ds_config, "seed": s.seed,
+        "threads": s.threads, "cpu_budget_mib": s.cpu_budget_mib, "batches": batches,
+    }
+
+
+def run_benchmark(s: BenchSettings, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measures every arm x checkpointing setting; returns the JSON-ready result."""
+    s = resolve_settings(s)
+    arms, missing = available_arms(s.loss_modes, s.baseline, s.device)
+    rows: list[dict[str, Any]] = []
+    for ckpt in s.ckpt:
+        for arm in arms:
+            fit = s.fit == "all" or (s.fit == "off" and not ckpt)
+            timed = [{"batch": s.batch, "warmup": s.warmup, "steps": s.steps, "kind": "timed"}]
+            ascent = []
+            b = s.batch * 2
+            while fit and b < s.max_batch:
+                ascent.append(b)
+                b *= 2
+            if fit and s.max_batch > s.batch:
+                ascent.append(s.max_batch)
+            batches = timed + [{"batch": b, "warmup": 1, "steps": 1, "kind": "probe"} for b in ascent]
+            log(f"{arm}, checkpointing {'on' if ckpt else 'off'}: batch {s.batch}" + (f", then probing {ascent}" if ascent else ""))
+            results = run_worker(_spec(s, arm, ckpt, batches), s.timeout_s)
+            main_result = next((r for r in results if r["kind"] == "timed"), None)
+            if main_result is None:
+                raise RuntimeError(f"{arm} produced no result")
+            row = dict(main_result)
+            row["probes"] = {r["batch"]: r["fits"] for r in results}
+            if fit:
+                def probe(batches: list[int], arm: str = arm, ckpt: bool = ckpt) -> dict[int, bool]:
+                    log(f"  probe {arm} ckpt={ckpt}: {batches}")
+                    got = run_worker(_spec(s, arm, ckpt, [{"batch": b, "warmup": 1, "steps": 1, "kind": "probe"} for b in batches]), s.timeout_s)
+                    return {r["batch"]: r["fits"] for r in got}
+
+                search = largest_fitting(probe, s.batch, s.max_batch, s.fit_tolerance, s.fit_granularity, known=row["probes"])
+                row["largest_batch"], row["first_failing_batch"], row["fit_capped"] = search["largest"], search["first_failing"], search["capped"]
+                row["probes"] = search["probes"]
+            rows.append(row)
+            log(_row_line(row))
+    _add_ratios(rows)
+    return {"settings": asdict(s), "environment": environment(s.device), "unavailable": missing, "rows": rows}
+
+
+def _row_line(r: dict[str, Any]) -> str:
+    if not r.get("fits", False) and "samples_per_s" not in r:
+        return f"  {r['arm']} ckpt={r['ckpt']}: batch {r['batch']} does not fit ({r.get('error')})"
+    fit = f", largest batch {r.get('largest_batch')}" if "largest_batch" in r else ""
+    return f"  {r['arm']} ckpt={r['ckpt']}: {r['samples_per_s']:.1f} samples/s, peak {r['peak_bytes'] / MIB:.1f} MiB{fit}"
+
+
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Speed and memory of each recipe row relative to the baseline row with the same setting."""
+    for r in rows:
+        base = next((b for b in rows if b["arm"] in ("openclip", "torch-amp") and b["ckpt"] == r["ckpt"] and "samples_per_s" in b), None)
+        if base and "samples_per_s" in r:
+            r["speedup_vs_baseline"] = r["samples_per_s"] / base["samples_per_s"]
+            r["memory_vs_baseline"] = r["peak_bytes"] / base["peak_bytes"] if base["peak_bytes"] > 0 else None
+
+
+def environment(device: str) -> dict[str, Any]:
+    """Device, library versions and date."""
+    import deepspeed
+    import timm
+    import transformers
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__, "timm": timm.__version__, "transformers": transformers.__version__}
+    try:
+        import open_clip
+
+        versions["open_clip"] = open_clip.__version__
+    except ImportError:
+        versions["open_clip"] = None
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name()
+        total = torch.cuda.get_device_properties(0).total_memory
+        dev = f"{name} ({total / GIB:.0f} GiB), CUDA {torch.version.cuda}"
+    else:
+        dev = f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible"
+    return {"device": dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "versions": versions, "platform": platform.platform()}
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The result as a markdown table with a header naming device, versions, date and settings."""
+    s, env = result["settings"], result["environment"]
+    unit, scale = ("GiB", GIB) if s["device"].startswith("cuda") else ("MiB", MIB)
+    mem_name = "peak allocated" if s["device"].startswith("cuda") else "peak RSS growth"
+    v = env["versions"]
+    lines = [
+        f"**{env['device']}**, {env['date']}; torch {v['torch']}, deepspeed {v['deepspeed']}, timm {v['timm']}, "
+        f"transformers {v['transformers']}, open_clip {v['open_clip']}. Preset {s['preset']}, batch {s['batch']}, "
+        f"{s['steps']} timed steps after {s['warmup']} warm-up steps, one process.",
+        "",
+        f"| arm | grad ckpt | params | samples/s | {mem_name} ({unit}) | largest batch | vs baseline: speed | vs baseline: memory |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        if "samples_per_s" not in r:
+            lines.append(f"| {r['arm']} | {'on' if r['ckpt'] else 'off'} | {r.get('params', '')} | does not fit at {r['batch']} | | | | |")
+            continue
+        largest = r.get("largest_batch")
+        if "largest_batch" not in r:
+            fit = "not searched"
+        elif largest is None:
+            fit = f"< {r['batch']}"
+        else:
+            fit = f"≥ {largest} (cap)" if r.get("fit_capped") else f"{largest} (fails at {r.get('first_failing_batch')})"
+        speed = f"{r['speedup_vs_baseline']:.2f}×" if r.get("speedup_vs_baseline") else "—"
+        mem = f"{r['memory_vs_baseline']:.2f}×" if r.get("memory_vs_baseline") else "—"
+        lines.append(
+            f"| {r['arm']} | {'on' if r['ckpt'] else 'off'} | {r['params']:,} | {r['samples_per_s']:.1f} | {r['peak_bytes'] / scale:.2f} | {fit} | {speed} | {mem} |"
+        )
+    lines.append("")
+    for r in result["rows"]:
+        if not r["ckpt"]:
+            lines.append(f"- `{r['arm']}`: {r.get('description', '')}")
+    for arm, why in result["unavailable"].items():
+        lines.append(f"- `{arm}` not run: {why}")
+    if s["device"] == "cpu":
+        lines.append(f"- CPU: memory is the peak resident-set growth over the process before the model was built; "
+                     f"\"fits\" means within --cpu-budget-mib {s['cpu_budget_mib']:g} MiB.")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--preset", default=None, help="recipe preset (default ViT-B-32 on CUDA, tiny on CPU)")
+    ap.add_argument("--batch", type=int, default=None, help="batch of the timed steps (default 512 on CUDA, 32 on CPU)")
+    ap.add_argument("--warmup", type=int, default=BenchSettings.warmup)
+    ap.add_argument("--steps", type=int, default=BenchSettings.steps)
+    ap.add_argument("--ckpt", choices=("both", "off", "on"), default="both", help="gradient checkpointing settings to run")
+    ap.add_argument("--loss-modes", nargs="+", default=["plain", "fused"], help="recipe ClipLoss modes (missing ones are reported)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the OpenCLIP arm")
+    ap.add_argument("--fit", choices=("all", "off", "none"), default="all", help="largest-batch search: every setting, checkpointing off only, or none")
+    ap.add_argument("--max-batch", type=int, default=None)
+    ap.add_argument("--fit-tolerance", type=float, default=BenchSettings.fit_tolerance)
+    ap.add_argument("--fit-granularity", type=int, default=None)
+    ap.add_argument("--cpu-budget-mib", type=float, default=BenchSettings.cpu_budget_mib)
+    ap.add_argument("--ds-config", default=DEFAULT_DS_CONFIG)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per worker (default 1 on CPU)")
+    ap.add_argument("--json", default=None, help="output JSON (default benchmarks/results/bench_train_<device>.json)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        measure_worker(json.loads(args.worker), lambda r: print(RESULT_TAG + json.dumps(r), flush=True))
+        return None
+    s = BenchSettings(
+        device=args.device, preset=args.preset, batch=args.batch, warmup=args.warmup, steps=args.steps,
+        ckpt={"both": [False, True], "off": [False], "on": [True]}[args.ckpt], loss_modes=args.loss_modes,
+        baseline=not args.no_baseline, fit=args.fit, max_batch=args.max_batch, fit_tolerance=args.fit_tolerance,
+        fit_granularity=args.fit_granularity, cpu_budget_mib=args.cpu_budget_mib, ds_config=args.ds_config,
+        seed=args.seed, threads=args.threads,
+    )
+    try:
+        result = run_benchmark(s, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except ValueError as err:
+        raise SystemExit(str(err)) from err
+    table = markdown_table(result)
+    result["markdown"] = table
+    path = Path(args.json or ROOT / "benchmarks" / "results" / f"bench_train_{'cuda' if s.device.startswith('cuda') else 'cpu'}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(table)
+    print(f"wrote {path}", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()
