@@ -2,8 +2,9 @@
 
 For each precision mode (:data:`MODES`: every ``ds_configs`` JSON, plus DeepSpeed's standard bf16
 mixed precision, i.e. the same JSON without ``bf16_master_weights_and_grads`` /
-``bf16_optimizer_states`` and with ``torch.optim.AdamW``), the ``tiny`` preset is trained for two
-steps under DeepSpeed on ``--world`` ranks (gloo; CPU by default). Between the second backward and
+``bf16_optimizer_states`` and with ``torch.optim.AdamW``, and the recipe with the image tower SR
+too), a preset (``tiny`` by default) is trained for two steps under DeepSpeed on ``--world``
+ranks (CPU processes with gloo, or ``--device cuda``: one GPU per rank with NCCL). Between the second backward and
 the second optimizer step, when gradients, weights and optimizer state are all alive, every rank
 reads what it holds:
 
@@ -26,8 +27,11 @@ Usage::
 
     python benchmarks/bench_memory.py                      # all modes, 2 CPU ranks
     python benchmarks/bench_memory.py --modes zero2_bf16_halfmaster zero2_bf16_standard --world 2
+    python benchmarks/bench_memory.py --preset ViT-B-32 --batch 2     # the real model, ~6 GB of RAM
+    python benchmarks/bench_memory.py --device cuda --world 1 --preset ViT-B-32 --batch 64
 
-Writes ``benchmarks/results/bench_memory_<device>_w<world>.json`` and prints a markdown table.
+Writes ``benchmarks/results/bench_memory_<device>_w<world>[_<preset>].json`` and prints a markdown
+table.
 """
 
 from __future__ import annotations
@@ -62,17 +66,21 @@ class MemoryMode:
         standard: DeepSpeed's standard mixed precision: the two bf16 master flags removed and
             ``torch.optim.AdamW`` instead of SRAdamW.
         label: Row label.
+        image_master: The image tower keeps an fp32 master (the recipe's default); ``False``
+            makes it SR too (``--no-image-master-weights``).
     """
 
     config: str
     standard: bool = False
     label: str = ""
+    image_master: bool = True
 
 
 MODES: dict[str, MemoryMode] = {
     "zero1_bf16_halfmaster": MemoryMode("zero1_bf16_halfmaster.json", label="bf16 halfmaster, ZeRO-1"),
     "zero2_bf16_halfmaster": MemoryMode("zero2_bf16_halfmaster.json", label="bf16 halfmaster, ZeRO-2"),
     "zero3_bf16_halfmaster": MemoryMode("zero3_bf16_halfmaster.json", label="bf16 halfmaster, ZeRO-3"),
+    "zero2_bf16_halfmaster_allsr": MemoryMode("zero2_bf16_halfmaster.json", label="bf16 halfmaster, ZeRO-2, image tower SR too", image_master=False),
     "zero0_fp16_sr_lossscale": MemoryMode("zero0_fp16_sr_lossscale.json", label="fp16 SR + loss scaling, ZeRO-0"),
     "zero2_fp32": MemoryMode("zero2_fp32.json", label="fp32, ZeRO-2"),
     "zero1_bf16_standard": MemoryMode("zero1_bf16_halfmaster.json", standard=True, label="DeepSpeed standard bf16 + AdamW, ZeRO-1"),
@@ -246,7 +254,14 @@ def measure_engine(
 # ----------------------------------------------------------------------------------------------
 
 
-def measure_mode(name: str, batch: int, seed: int, device: torch.device, inspect: Callable[..., dict[str, Any]] | None = None) -> dict[str, Any]:
+def measure_mode(
+    name: str,
+    batch: int,
+    seed: int,
+    device: torch.device,
+    inspect: Callable[..., dict[str, Any]] | None = None,
+    preset: str = "tiny",
+) -> dict[str, Any]:
     """Builds the engine of mode ``name``, trains one step, then measures between the second
     backward and the second optimizer step (this rank's view).
 
@@ -257,7 +272,7 @@ def measure_mode(name: str, batch: int, seed: int, device: torch.device, inspect
     import torch.distributed as dist
 
     from bench_train import make_inputs, TextSpec  # noqa: I001
-    from recipe.config import TrainConfig
+    from recipe.config import ModelArgs, TrainConfig
     from recipe.loss import ClipLoss
     from recipe.model import create_model
     from recipe.param_groups import param_groups
@@ -269,7 +284,7 @@ def measure_mode(name: str, batch: int, seed: int, device: torch.device, inspect
     gc.collect()
     baseline = tensor_census()
     torch.manual_seed(seed)
-    model = create_model("tiny")
+    model = create_model(preset)
     if prec.mode == "fp16":
         model.half()
     if mode.standard:
@@ -278,7 +293,7 @@ def measure_mode(name: str, batch: int, seed: int, device: torch.device, inspect
             g.pop("master_weights", None)
         opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
     else:
-        opt = build_optimizer(model, TrainConfig(), prec)
+        opt = build_optimizer(model, TrainConfig(model=ModelArgs(image_master_weights=mode.image_master)), prec)
     group_sizes = {g["name"]: sum(p.numel() for p in g["params"]) for g in opt.param_groups}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
     if prec.mode == "fp16":
@@ -309,22 +324,35 @@ def measure_mode(name: str, batch: int, seed: int, device: torch.device, inspect
         else:
             with step_kwargs(opt, **kw):
                 engine.step()
-    result.update(mode=name, precision=prec.label, world_size=dist.get_world_size() if dist.is_initialized() else 1, zero_stage=prec.zero_stage, optimizer=type(opt).__name__, loss=float(loss.detach()))
+    result.update(mode=name, preset=preset, precision=prec.label, world_size=dist.get_world_size() if dist.is_initialized() else 1, zero_stage=prec.zero_stage, optimizer=type(opt).__name__, loss=float(loss.detach()))
     engine.destroy() if hasattr(engine, "destroy") else None
     del engine, opt, model
     gc.collect()
     return result
 
 
-def _rank_worker(rank: int, world: int, names: list[str], batch: int, seed: int, threads: int, inspect: Callable[..., dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def _rank_worker(
+    rank: int,
+    world: int,
+    names: list[str],
+    batch: int,
+    seed: int,
+    threads: int,
+    inspect: Callable[..., dict[str, Any]] | None = None,
+    preset: str = "tiny",
+    device_type: str = "cpu",
+) -> list[dict[str, Any]]:
     import deepspeed
 
     torch.set_num_threads(threads)
-    deepspeed.init_distributed(dist_backend="gloo")
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo")
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     out = []
     for name in names:
         try:
-            out.append(measure_mode(name, batch, seed, torch.device("cpu"), inspect))
+            out.append(measure_mode(name, batch, seed, device, inspect, preset))
         except Exception as err:  # a mode that does not work is reported, not fatal for the others
             out.append({"mode": name, "error": f"{type(err).__name__}: {err}"})
     return out
@@ -338,14 +366,20 @@ def run_modes(
     threads: int = 1,
     timeout_s: float = 900,
     inspect: Callable[..., dict[str, Any]] | None = None,
+    preset: str = "tiny",
+    device_type: str = "cpu",
 ) -> list[list[dict[str, Any]]]:
-    """Measures ``names`` on ``world`` CPU ranks (spawned processes, gloo); returns per-rank lists
-    of :func:`measure_mode` results (a mode that fails gives ``{"mode", "error"}``). ``inspect``
-    must be a module-level (picklable) function."""
+    """Measures ``names`` on ``world`` ranks (spawned processes; CPU with gloo, or one GPU per rank
+    with NCCL); returns per-rank lists of :func:`measure_mode` results (a mode that fails gives
+    ``{"mode", "error"}``). ``inspect`` must be a module-level (picklable) function."""
     from tests.dist_utils import run_distributed
 
-    env = {"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    return run_distributed(_rank_worker, world, names, batch, seed, threads, inspect, init_process_group=False, env=env, timeout_s=timeout_s, threads_per_rank=threads)
+    if device_type == "cuda" and world > torch.cuda.device_count():
+        raise ValueError(f"{world} ranks need {world} GPUs, {torch.cuda.device_count()} visible")
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    if device_type == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    return run_distributed(_rank_worker, world, names, batch, seed, threads, inspect, preset, device_type, init_process_group=False, env=env, timeout_s=timeout_s, threads_per_rank=threads)
 
 
 def summarize(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -376,11 +410,13 @@ def _sr_and_master(groups: dict[str, Any]) -> tuple[str, str]:
 
 def markdown_table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
     world = next((r["world_size"] for r in rows if "world_size" in r), "?")
+    preset = next((r["preset"] for r in rows if "preset" in r), "?")
+    params = next((r["params"] for r in rows if "params" in r), 0)
     lines = [
         f"Bytes per parameter on each of {world} ranks, read from the live engine between the second backward and "
-        f"the second optimizer step; `tiny` preset, {env['device']}, torch {env['torch']}, deepspeed {env['deepspeed']}, {env['date']}.",
+        f"the second optimizer step; `{preset}` preset ({params:,} parameters), {env['device']}, torch {env['torch']}, deepspeed {env['deepspeed']}, {env['date']}.",
         "",
-        "| mode | optimizer | weights | grads | partition + optimizer state | total | text tower (SR): partition + state | image tower (master): partition + state | reduce buckets | unaccounted |",
+        "| mode | optimizer | weights | grads | partition + optimizer state | total | text tower: partition + state | image tower: partition + state | reduce buckets | unaccounted |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -394,23 +430,28 @@ def markdown_table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Tower columns are per parameter of that tower (the text tower is SR bf16/fp16 without a master in the recipe's "
-        "modes; the image tower keeps an fp32 master inside SRAdamW's state). Reduce buckets are fixed-size "
+        "Tower columns are per parameter of that tower (in the recipe's modes the text tower is SR bf16/fp16 without a "
+        "master and the image tower keeps an fp32 master inside SRAdamW's state, unless it is SR too). Reduce buckets are fixed-size "
         "(`reduce_bucket_size`), not per parameter. `unaccounted`: tensor storages alive in the process that none of the "
         "columns claims (gloo and DeepSpeed scratch), largest over ranks.",
     ]
     return "\n".join(lines) + "\n"
 
 
-def environment() -> dict[str, Any]:
+def environment(device_type: str = "cpu") -> dict[str, Any]:
     import deepspeed
 
+    if device_type == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        device = f"{props.name} ({props.total_memory / 2**30:.0f} GiB), NCCL"
+    else:
+        device = f"CPU ({platform.machine()}, gloo)"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "deepspeed": deepspeed.__version__,
         "python": platform.python_version(),
-        "device": f"CPU ({platform.machine()}, gloo)",
+        "device": device,
         "cpu_count": os.cpu_count(),
     }
 
@@ -418,20 +459,24 @@ def environment() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--world", type=int, default=2, help="ranks (CPU processes)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo ranks; cuda: one GPU per rank, NCCL")
+    ap.add_argument("--world", type=int, default=2, help="ranks (processes)")
     ap.add_argument("--batch", type=int, default=8, help="micro-batch per rank")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--preset", default="tiny", help="recipe.model preset (ViT-B-32 fits in CPU memory too; its SR steps take minutes)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds for all modes")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--json", default=None, help="output JSON (default benchmarks/results/bench_memory_cpu_w<world>.json)")
     args = ap.parse_args(argv)
     if args.world < 1 or args.batch < 2:
         raise SystemExit("need --world >= 1 and --batch >= 2")
-    per_rank = run_modes(args.modes, args.world, args.batch, args.seed, args.threads)
+    per_rank = run_modes(args.modes, args.world, args.batch, args.seed, args.threads, args.timeout, preset=args.preset, device_type=args.device)
     rows = summarize(per_rank)
-    env = environment()
+    env = environment(args.device)
     table = markdown_table(rows, env)
     result = {"environment": env, "settings": vars(args), "rows": rows, "per_rank": per_rank, "markdown": table}
-    path = Path(args.json or ROOT / "benchmarks" / "results" / f"bench_memory_cpu_w{args.world}.json")
+    suffix = "" if args.preset == "tiny" else f"_{args.preset}"
+    path = Path(args.json or ROOT / "benchmarks" / "results" / f"bench_memory_{args.device}_w{args.world}{suffix}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(table)
