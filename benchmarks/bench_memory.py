@@ -413,7 +413,7 @@ def markdown_table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
     preset = next((r["preset"] for r in rows if "preset" in r), "?")
     params = next((r["params"] for r in rows if "params" in r), 0)
     lines = [
-        f"Bytes per parameter on each of {world} ranks, read from the live engine between the second backward and "
+        f"Bytes per parameter on {'each of ' + str(world) + ' ranks' if world != 1 else 'one rank'}, read from the live engine between the second backward and "
         f"the second optimizer step; `{preset}` preset ({params:,} parameters), {env['device']}, torch {env['torch']}, deepspeed {env['deepspeed']}, {env['date']}.",
         "",
         "| mode | optimizer | weights | grads | partition + optimizer state | total | text tower: partition + state | image tower: partition + state | reduce buckets | unaccounted |",

@@ -43,7 +43,6 @@ Output: a markdown table (device, versions, date) on stdout and a JSON file
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import ctypes.util
 import datetime
@@ -59,7 +58,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -113,7 +112,7 @@ class BenchSettings:
     ds_config: str = DEFAULT_DS_CONFIG
     seed: int = 0
     threads: int | None = None
-    timeout_s: float = 1800.0
+    timeout_s: float = 900.0  # per worker process
 
 
 def resolve_settings(s: BenchSettings) -> BenchSettings:
@@ -744,6 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ds-config", default=DEFAULT_DS_CONFIG)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads per worker (default 1 on CPU)")
+    ap.add_argument("--worker-timeout", type=float, default=BenchSettings.timeout_s, help="seconds per worker process")
     ap.add_argument("--json", default=None, help="output JSON (default benchmarks/results/bench_train_<device>.json)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return ap
@@ -759,7 +759,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         ckpt={"both": [False, True], "off": [False], "on": [True]}[args.ckpt], loss_modes=args.loss_modes,
         baseline=not args.no_baseline, fit=args.fit, max_batch=args.max_batch, fit_tolerance=args.fit_tolerance,
         fit_granularity=args.fit_granularity, cpu_budget_mib=args.cpu_budget_mib, ds_config=args.ds_config,
-        seed=args.seed, threads=args.threads,
+        seed=args.seed, threads=args.threads, timeout_s=args.worker_timeout,
     )
     try:
         result = run_benchmark(s, log=lambda m: print(m, file=sys.stderr, flush=True))
