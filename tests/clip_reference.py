@@ -1,9 +1,10 @@
-"""Float64 full-batch CLIP loss reference shared by the loss tests."""
+"""Shared by the loss tests: the float64 full-batch CLIP loss reference and an allocation probe."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def clip_reference(image: torch.Tensor, text: torch.Tensor, scale: float, bias: float | None) -> dict:
@@ -33,3 +34,19 @@ def assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, 
     err = (actual.double() - expected).abs().max().item()
     bound = tol * expected.abs().max().item()
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest size in bytes of any tensor produced by a torch operator (including the
+    byte views of storages the Triton interpreter makes when it copies kernel arguments)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out

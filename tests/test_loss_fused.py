@@ -36,7 +36,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 CUDA = torch.cuda.is_available()
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +45,7 @@ if not CUDA:  # read when the kernels are decorated (recipe.loss_kernels would s
 from recipe import loss_kernels as lk  # noqa: E402
 from recipe.loss import ClipLoss  # noqa: E402
 
-from .clip_reference import assert_grad_close, clip_reference
+from .clip_reference import LargestTensor, assert_grad_close, clip_reference
 from .dist_utils import run_distributed  # noqa: E402
 
 HAVE_TRITON = lk.is_available()
@@ -203,21 +202,6 @@ def test_accuracy_uses_the_first_maximum_on_exact_ties() -> None:
     assert not ok_rows[20] and not ok_rows[25] and not ok_cols[31]  # the ties do decide
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest size in bytes of any tensor produced by a torch operator (including the
-    byte views of storages the Triton interpreter makes when it copies kernel arguments)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel() * t.element_size())
-        return out
-
 
 @on_cpu
 def test_never_materialises_the_logit_block() -> None:
@@ -229,7 +213,7 @@ def test_never_materialises_the_logit_block() -> None:
     for mode in ("plain", "fused"):
         x, y = image.clone().requires_grad_(), text.clone().requires_grad_()
         scale = torch.tensor(20.0, requires_grad=True)
-        with _LargestTensor() as probe:
+        with LargestTensor() as probe:
             ClipLoss(mode=mode, chunk_size=tile)(x, y, scale).backward()
         largest[mode] = probe.largest
     assert largest["plain"] >= rows * rows * 4  # the probe sees the fp32 block when it exists
