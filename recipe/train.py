@@ -145,8 +145,10 @@ def grad_multiplier(model: torch.nn.Module, prec: Precision) -> float:
     inv = 1.0 / prec.loss_scaler.scale
     if prec.recipe_clip <= 0:
         return inv
-    sq = sum(float((p.grad.float() * inv).pow(2).sum()) for p in model.parameters() if p.grad is not None)
-    norm = math.sqrt(sq)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    # one host sync for the whole model, not one per tensor
+    sq = torch.stack([(g.float() * inv).pow(2).sum().double() for g in grads]).sum() if grads else torch.zeros(())
+    norm = math.sqrt(float(sq))
     return inv if not math.isfinite(norm) else inv * min(1.0, prec.recipe_clip / (norm + 1e-6))
 
 
