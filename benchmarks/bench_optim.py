@@ -6,7 +6,8 @@ Compares on the same parameters and gradients:
   * SRAdamW: bf16 weights + bf16 SR states; fp16 weights + scaled fp16 SR states; bf16 weights with
     an fp32 master and fp32 states; each on the PyTorch path and (CUDA) with the fused Triton kernel,
     and the fused kernel once more with ``check_finite=False`` (no separate inf/NaN pass over the
-    gradients and no host sync: the kernel's own time plus the per-step host work);
+    gradients: the kernel's own time plus the per-step host work; neither variant synchronises with
+    the host, the checked one skips on its flag on the GPU);
   * torchao ``_AdamW(bf16_stochastic_round=True)`` (bf16 weights, fp32 master-free SR) if installed;
   * optimi ``AdamW(kahan_sum=True)`` on bf16 weights if installed.
 
@@ -105,7 +106,8 @@ def candidates(device: str) -> list[tuple[str, torch.dtype, Callable]]:
     cuda = device == "cuda"
     torch_kw = {"fused": True} if cuda else {"foreach": True}
     c: list[tuple[str, torch.dtype, Callable]] = [
-        ("torch AdamW fp32" + (" fused" if cuda else " foreach"), torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-3, **torch_kw)),
+        ("torch AdamW fp32" + (" fused" if cuda else " foreach"), torch.float32,
+         lambda ps: torch.optim.AdamW(ps, lr=1e-3, **torch_kw)),
         ("torch AdamW bf16 (RTN)", torch.bfloat16, lambda ps: torch.optim.AdamW(ps, lr=1e-3, **torch_kw)),
     ]
     sr_configs = [
@@ -151,7 +153,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--only", default=None, help="substring filter on optimizer names")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU); 1 avoids OpenMP oversubscription on a shared machine")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads (CPU); 1 avoids OpenMP oversubscription on a shared machine")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -189,7 +192,8 @@ def main() -> None:
             if "error" in r:
                 print(f"| {r['optimizer']} | error: {r['error']} | | | |")
             else:
-                print(f"| {r['optimizer']} | {r['ms']:.2f} | {r['weight_bytes_per_param']:.0f} | {r['state_bytes_per_param']:.2f} | {r['GB/s']:.1f} |")
+                print(f"| {r['optimizer']} | {r['ms']:.2f} | {r['weight_bytes_per_param']:.0f} "
+                      f"| {r['state_bytes_per_param']:.2f} | {r['GB/s']:.1f} |")
         all_rows += rows
     if args.json:
         Path(args.json).write_text(json.dumps(all_rows, indent=2))

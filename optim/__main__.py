@@ -42,9 +42,15 @@ def main() -> None:
     lr = args.lr
     runs = {
         "fp32 weights, torch AdamW": (torch.float32, lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.0)),
-        "bf16 weights, torch AdamW (round-to-nearest)": (torch.bfloat16, lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.0)),
-        "bf16 weights + bf16 states, SRAdamW": (torch.bfloat16, lambda ps: SRAdamW(ps, lr=lr, weight_decay=0.0, seed=args.seed)),
-        "fp16 weights + fp16 states, SRAdamW": (torch.float16, lambda ps: SRAdamW(ps, lr=lr, weight_decay=0.0, seed=args.seed)),
+        "bf16 weights, torch AdamW (round-to-nearest)": (
+            torch.bfloat16, lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.0)
+        ),
+        "bf16 weights + bf16 states, SRAdamW": (
+            torch.bfloat16, lambda ps: SRAdamW(ps, lr=lr, weight_decay=0.0, seed=args.seed)
+        ),
+        "fp16 weights + fp16 states, SRAdamW": (
+            torch.float16, lambda ps: SRAdamW(ps, lr=lr, weight_decay=0.0, seed=args.seed)
+        ),
     }
     results = {}
     print(f"linear regression, {args.steps} AdamW steps at lr={lr}: mean squared error")

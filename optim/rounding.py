@@ -191,7 +191,9 @@ def _round_f16(x: torch.Tensor, bits: torch.Tensor, mode: Mode) -> torch.Tensor:
     return out.to(torch.float16)
 
 
-def round_with_bits(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor, mode: Mode = "proportional") -> torch.Tensor:
+def round_with_bits(
+    x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor, mode: Mode = "proportional"
+) -> torch.Tensor:
     """Rounds float32 ``x`` to ``dtype`` with the given uniform 32-bit integers.
 
     This is the single definition of the rounding decision; the fused kernel reproduces it.

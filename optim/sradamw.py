@@ -9,11 +9,14 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from . import _triton
 from .functional import (
     STREAM_EXP_AVG,
     STREAM_EXP_AVG_SQ,
     STREAM_PARAM,
-    sradamw_update_,
+    TensorStep,
+    apply_update_,
+    masked_copy_,
     state_scale,
 )
 from .rounding import derive_key
@@ -21,26 +24,54 @@ from .rounding import derive_key
 __all__ = ["SRAdamW"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FUSED_MODULE: Any = None
+_ROUNDINGS = ("stochastic", "nearest")
+_NONFINITE = ("skip", "raise")
+_STREAMS = (STREAM_PARAM, STREAM_EXP_AVG, STREAM_EXP_AVG_SQ)
+
+_Update = Callable[..., Any]  # (specs, *, grad_mul, found_inf): applies a list of TensorSteps on one device
 
 
 def _fused_kernel() -> Any:
     """``optim.triton_kernel`` when Triton is usable, else ``None`` (imported on first use only)."""
-    global _FUSED_MODULE
-    if _FUSED_MODULE is None:
-        from . import triton_kernel
+    if not _triton.is_available():
+        return None
+    from . import triton_kernel
 
-        _FUSED_MODULE = triton_kernel
-    return _FUSED_MODULE if _FUSED_MODULE.is_available() else None
-_ROUNDINGS = ("stochastic", "nearest")
-_NONFINITE = ("skip", "raise")
+    return triton_kernel
+
+
+def _pytorch_updates_(specs: list[TensorStep], *, grad_mul: Any = None, found_inf: Any = None) -> None:
+    """The PyTorch path over a list of tensors (one at a time)."""
+    for spec in specs:
+        apply_update_(spec, grad_mul=grad_mul, found_inf=found_inf)
+
+
+class _PendingSkip:
+    """A device skip flag on its way to the host, and the states whose step counters it would undo."""
+
+    def __init__(self, flag: torch.Tensor) -> None:
+        # queued before the update kernels, so that settling waits for the flag, not for the update
+        self.states: list[dict[str, Any]] = []
+        self.event = None
+        if flag.device.type == "cuda":
+            self.host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.host.copy_(flag, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(flag.device))
+        else:  # CPU (a test forcing the deferred path), or another accelerator (no events here):
+            self.host = flag.to("cpu", copy=True)  # a plain copy; from a non-CUDA accelerator it waits for it
+
+    def skipped(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()  # host wait on the flagged step's event, long finished by now
+        return bool(self.host)  # pinned host memory: no device sync
 
 
 def _validate_group(group: dict[str, Any]) -> None:
     """Raises ``ValueError`` naming the offending hyperparameter."""
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
-        lr = float(lr)
+        lr = float(lr)  # when groups are created or loaded, not per step
     if not 0.0 <= lr < float("inf"):
         raise ValueError(f"Invalid lr: {group['lr']} (must be finite and >= 0)")
     betas = group["betas"]
@@ -62,7 +93,8 @@ def _validate_group(group: dict[str, Any]) -> None:
         if group[name] not in _ROUNDINGS:
             raise ValueError(f"Invalid {name}: {group[name]!r} (must be 'stochastic' or 'nearest')")
     clamp = group.get("clamp")
-    if clamp is not None and not (isinstance(clamp, (tuple, list)) and len(clamp) == 2 and float(clamp[0]) <= float(clamp[1])):
+    pair = isinstance(clamp, (tuple, list)) and len(clamp) == 2
+    if clamp is not None and not (pair and float(clamp[0]) <= float(clamp[1])):
         raise ValueError(f"Invalid clamp: {clamp!r} (must be None or a (min, max) pair with min <= max)")
     for p in group["params"]:
         if p.dtype not in _FLOAT_DTYPES:
@@ -85,10 +117,20 @@ class SRAdamW(Optimizer):
     per-tensor steps travel in ``state_dict()``, and data-parallel ranks draw different noise.
 
     Non-finite gradients: with ``nonfinite="skip"`` (default) a step whose gradients hold an inf or
-    NaN in any parameter (on any rank of ``process_group`` when distributed) changes nothing and
-    increments :attr:`skipped_steps`; with ``"raise"`` it raises ``FloatingPointError`` before any
-    parameter is touched. ``check_finite=False`` turns the check (and its device sync) off for
-    callers that check themselves; ``found_inf`` passed to :meth:`step` is always honoured.
+    NaN in any parameter (on any rank of ``process_group`` when distributed), or whose ``found_inf``
+    is nonzero, changes nothing, does not advance any per-tensor step and increments
+    :attr:`skipped_steps`; with ``"raise"`` non-finite gradients raise ``FloatingPointError`` before
+    any parameter is touched. ``check_finite=False`` turns the check off for callers that check
+    themselves; ``found_inf`` passed to :meth:`step` is always honoured.
+
+    No host synchronisation: :meth:`step` never reads a flag that lives on an accelerator. The
+    non-finite check runs on the parameters' device and is combined there with ``found_inf`` (and
+    all-reduced over the process group); the update is then issued with that flag as a device-side
+    skip (masked stores), and the host bookkeeping (per-tensor steps, :attr:`skipped_steps`) is
+    settled at the next :meth:`step`, :meth:`state_dict` or read of :attr:`skipped_steps`, by which
+    time the flag has long arrived. A flag in CPU memory (CPU parameters, or a Python or CPU
+    ``found_inf``) is read at once and a skipped step touches nothing. ``nonfinite="raise"`` reads
+    the device flag (one sync per step), since it must raise at once.
 
     Works on any tensors, including the flat 1-D partitions DeepSpeed ZeRO hands a client
     optimizer (one tensor per group, any length; element indices are 64-bit).
@@ -98,7 +140,7 @@ class SRAdamW(Optimizer):
             ``seed``, ``rank``, ``nonfinite``, ``check_finite`` and ``process_group``. A group may
             also set ``clamp=(min, max)``: its weights (the master, when kept) are projected into
             that range after every update, before rounding.
-        lr: Learning rate.
+        lr: Learning rate (a tensor learning rate is read on the host at every step).
         betas: Decay rates of the first and second moments.
         eps: Term added to the denominator.
         weight_decay: Decoupled weight decay (applied as ``w *= 1 - lr * weight_decay``).
@@ -115,9 +157,10 @@ class SRAdamW(Optimizer):
             when ``torch.distributed`` is initialised).
         fused: ``None`` (default) updates CUDA tensors with the fused Triton kernel when Triton
             imports and every other tensor with the PyTorch path; ``True`` forces the kernel
-            (CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set before the first fused
-            step); ``False`` always uses the PyTorch path. Both paths compute the same update with
-            the same noise (see ``optim.triton_kernel`` for the bit-exactness notes).
+            (CUDA tensors, or CPU tensors when the kernel runs interpreted: ``TRITON_INTERPRET=1``,
+            the default on a machine without CUDA); ``False`` always uses the PyTorch path. Both
+            paths compute the same update with the same noise (see ``optim.triton_kernel`` for the
+            bit-exactness notes).
 
     Example:
         >>> model = torch.nn.Linear(4, 4).to(torch.bfloat16)
@@ -154,9 +197,7 @@ class SRAdamW(Optimizer):
         if fused not in (None, True, False):
             raise ValueError(f"Invalid fused: {fused!r} (must be None, True or False)")
         if fused and _fused_kernel() is None:
-            from .triton_kernel import unavailable_reason
-
-            raise ValueError(f"Invalid fused: fused=True needs Triton ({unavailable_reason()})")
+            raise ValueError(f"Invalid fused: fused=True needs Triton ({_triton.unavailable_reason()})")
         defaults = dict(
             lr=lr,
             betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
@@ -172,7 +213,8 @@ class SRAdamW(Optimizer):
         self.nonfinite = nonfinite
         self.check_finite = check_finite
         self.process_group = process_group
-        self.skipped_steps = 0
+        self._skipped_steps = 0
+        self._pending: _PendingSkip | None = None
         self.fused = fused
         super().__init__(params, defaults)
         if fused:
@@ -190,6 +232,18 @@ class SRAdamW(Optimizer):
         super().add_param_group(param_group)
         _validate_group(self.param_groups[-1])
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far. Reading it settles the last step's device-side skip decision (a
+        wait on that step's event; call it after later work was queued to keep the GPU busy)."""
+        self._settle()
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._settle()
+        self._skipped_steps = int(value)
+
     # ------------------------------------------------------------------------------------------
     def _rank(self) -> int:
         if self.rank is not None:
@@ -199,7 +253,17 @@ class SRAdamW(Optimizer):
             return dist.get_rank()
         return 0
 
-    def _has_nonfinite(self, grad_mul: torch.Tensor | float | None) -> bool:
+    def _settle(self) -> None:
+        """Applies a deferred skip decision to the host bookkeeping: a skipped step advances nothing."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.skipped():
+            for state in pending.states:
+                state["step"] -= 1
+            self._skipped_steps += 1
+
+    def _nonfinite(self, grad_mul: torch.Tensor | float | None) -> torch.Tensor | None:
+        """float32 ``[1]`` on the first gradient's device: 1 when any gradient (times ``grad_mul``)
+        holds an inf or NaN; ``None`` without gradients. Not read."""
         flags = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -207,21 +271,52 @@ class SRAdamW(Optimizer):
                     g = p.grad if grad_mul is None else p.grad.to(torch.float32) * grad_mul
                     flags.append(torch.isfinite(g).all().logical_not().reshape(1))
         if not flags:
-            return False
-        flag = torch.cat([f.to(flags[0].device) for f in flags]).any().to(torch.float32)
+            return None
+        return torch.cat([f.to(flags[0].device) for f in flags]).any().to(torch.float32).reshape(1)
+
+    def _skip_flag(self, found_inf: Any, grad_mul: torch.Tensor | float | None) -> bool | torch.Tensor:
+        """The step's skip decision: a bool decided on the host, or a 0-dim bool tensor that the
+        update applies on its device (see :meth:`_defers`)."""
+        found = None
+        if isinstance(found_inf, torch.Tensor) and self._defers(found_inf):
+            found = found_inf.detach().reshape(1).to(torch.float32)
+        elif found_inf is not None and float(found_inf) != 0.0:  # a number or CPU memory: no device sync
+            return True
+        bad = self._nonfinite(grad_mul) if self.check_finite else None
+        if bad is None:
+            return False if found is None else found.reshape(()) != 0
+        # [found_inf, non-finite gradients], where the gradients are (a device flag crossing to CPU
+        # parameters waits for its device: a mixed setup only)
+        flags = torch.cat([found.to(bad.device) if found is not None else torch.zeros_like(bad), bad])
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
-            flag = flag.reshape(1)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        if self.nonfinite == "raise":
+            found_now, bad_now = flags.tolist()  # host read (a sync on a device): raising cannot wait
+            if bad_now and not found_now:
+                raise FloatingPointError("SRAdamW: non-finite gradient; no parameter was updated")
+            return bool(found_now)
+        skip = flags.amax() != 0
+        return skip if self._defers(skip) else bool(skip)  # CPU memory: reading it is no device sync
 
-    def _use_fused(self, p: torch.Tensor) -> bool:
+    def _defers(self, flag: torch.Tensor) -> bool:
+        """Whether a skip flag is applied on its device (masked update, bookkeeping settled at the next
+        step) instead of being read now. A flag in CPU memory is read now: that is no device sync.
+
+        The one place that chooses between the two paths (tests force the deferred one on CPU)."""
+        return flag.device.type != "cpu"
+
+    def _use_fused(self, device: torch.device) -> bool:
         if self.fused is None:
-            if p.device.type != "cuda":
+            if device.type != "cuda":
                 return False
             kernel = _fused_kernel()
             return kernel is not None and not kernel.interpreting()
         return bool(self.fused)
+
+    def _update_for(self, device: torch.device) -> _Update:
+        """The implementation that updates this device's tensors: the fused kernel or the PyTorch path."""
+        return _fused_kernel().sradamw_fused_ if self._use_fused(device) else _pytorch_updates_
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
@@ -240,6 +335,41 @@ class SRAdamW(Optimizer):
             state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
         return state
 
+    def _tensor_step(
+        self,
+        p: torch.Tensor,
+        group: dict[str, Any],
+        rank: int,
+        grad_mul: torch.Tensor | float | None,
+        skip: torch.Tensor | None,
+    ) -> TensorStep:
+        """Advances ``p``'s step counter and float16 state bounds; returns its update."""
+        state = self.state[p]
+        if len(state) == 0:
+            state = self._init_state(p, group)
+        state["step"] += 1
+        t = int(state["step"])  # a CPU tensor
+        beta1, beta2 = group["betas"]
+        keys = tuple(derive_key(self.seed, rank, state["index"], t, stream) for stream in _STREAMS)
+        m_scales = v_scales = None
+        if "exp_avg_bound" in state:
+            g_amax = p.grad.detach().abs().amax().to(torch.float32)
+            if grad_mul is not None:
+                g_amax = g_amax * (grad_mul.abs() if isinstance(grad_mul, torch.Tensor) else abs(grad_mul))
+            m_bound, v_bound = state["exp_avg_bound"], state["exp_avg_sq_bound"]
+            m_old, v_old = state_scale(m_bound), state_scale(v_bound)
+            masked_copy_(m_bound, m_bound.mul(beta1).add_(g_amax, alpha=1 - beta1), skip)
+            masked_copy_(v_bound, v_bound.mul(beta2).add_(g_amax * g_amax, alpha=1 - beta2), skip)
+            m_scales, v_scales = (m_old, state_scale(m_bound)), (v_old, state_scale(v_bound))
+        return TensorStep(
+            p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=t,
+            lr=float(group["lr"]),  # a tensor lr is read here (a sync if it lives on a device)
+            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], keys=keys,
+            master=state.get("master"), exp_avg_scales=m_scales, exp_avg_sq_scales=v_scales,
+            weight_rounding=group["weight_rounding"], state_rounding=group["state_rounding"],
+            clamp=group.get("clamp"),
+        )
+
     @torch.no_grad()
     def step(
         self,
@@ -256,11 +386,18 @@ class SRAdamW(Optimizer):
             grad_scale: The gradients are divided by this (a loss scale, as ``torch.amp.GradScaler``
                 passes it); mutually exclusive with ``inv_grad_scale``.
             inv_grad_scale: The gradients are multiplied by this (an inverse loss scale).
-            found_inf: When nonzero the step is skipped and counted in :attr:`skipped_steps`.
+            found_inf: When nonzero the step is skipped and counted in :attr:`skipped_steps`: a
+                Python number, a CPU tensor (both read at once) or a device tensor (never read here:
+                the update is skipped on the device, the bookkeeping settled later).
 
         Returns:
             The closure's loss, or ``None``.
         """
+        self._settle()
+        if grad_scale is None and inv_grad_scale is None and found_inf is None:
+            # torch.amp.GradScaler hands optimizers with _step_supports_amp_scaling its scale and inf
+            # flag as attributes (device tensors) for the duration of step()
+            grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -269,90 +406,48 @@ class SRAdamW(Optimizer):
             raise ValueError("pass grad_scale or inv_grad_scale, not both")
         grad_mul: torch.Tensor | float | None = inv_grad_scale
         if grad_scale is not None:
-            grad_mul = 1.0 / grad_scale if not isinstance(grad_scale, torch.Tensor) else grad_scale.double().reciprocal().float()
+            if isinstance(grad_scale, torch.Tensor):
+                grad_mul = grad_scale.double().reciprocal().float()
+            else:
+                grad_mul = 1.0 / grad_scale
         if isinstance(grad_mul, torch.Tensor):
             grad_mul = grad_mul.to(torch.float32)
-        if found_inf is not None and float(found_inf) != 0.0:
-            self.skipped_steps += 1
+        skip = self._skip_flag(found_inf, grad_mul)
+        if skip is True:
+            self._skipped_steps += 1
             return loss
-        if self.check_finite and self._has_nonfinite(grad_mul):
-            if self.nonfinite == "raise":
-                raise FloatingPointError("SRAdamW: non-finite gradient; no parameter was updated")
-            self.skipped_steps += 1
-            return loss
+        device_skip = skip if isinstance(skip, torch.Tensor) else None
+        pending = _PendingSkip(device_skip) if device_skip is not None else None
 
         rank = self._rank()
-        fused_steps: dict[torch.device, list[Any]] = {}
+        specs: dict[torch.device, list[TensorStep]] = {}
+        skips: dict[torch.device, torch.Tensor | None] = {}
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("SRAdamW does not support sparse gradients")
-                state = self.state[p]
-                if len(state) == 0:
-                    state = self._init_state(p, group)
-                state["step"] += 1
-                t = int(state["step"])
-                index = state["index"]
-                keys = tuple(derive_key(self.seed, rank, index, t, s) for s in (STREAM_PARAM, STREAM_EXP_AVG, STREAM_EXP_AVG_SQ))
-                m_scales = v_scales = None
-                if "exp_avg_bound" in state:
-                    g_amax = p.grad.detach().abs().amax().to(torch.float32)
-                    if grad_mul is not None:
-                        g_amax = g_amax * abs(grad_mul) if not isinstance(grad_mul, torch.Tensor) else g_amax * grad_mul.abs()
-                    m_old, v_old = state_scale(state["exp_avg_bound"]), state_scale(state["exp_avg_sq_bound"])
-                    state["exp_avg_bound"].mul_(beta1).add_(g_amax, alpha=1 - beta1)
-                    state["exp_avg_sq_bound"].mul_(beta2).add_(g_amax * g_amax, alpha=1 - beta2)
-                    m_scales = (m_old, state_scale(state["exp_avg_bound"]))
-                    v_scales = (v_old, state_scale(state["exp_avg_sq_bound"]))
-                if self._use_fused(p):
-                    fused_steps.setdefault(p.device, []).append(
-                        _fused_kernel().TensorStep(
-                            p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=t, lr=float(group["lr"]),
-                            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                            keys=keys, master=state.get("master"), exp_avg_scales=m_scales,
-                            exp_avg_sq_scales=v_scales, weight_rounding=group["weight_rounding"],
-                            state_rounding=group["state_rounding"], clamp=group.get("clamp"),
-                        )
-                    )
-                    continue
-                param = p if p.is_contiguous() else p.contiguous()
-                sradamw_update_(
-                    param,
-                    p.grad,
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    step=t,
-                    lr=float(group["lr"]),
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    keys=keys,
-                    master=state.get("master"),
-                    exp_avg_scales=m_scales,
-                    exp_avg_sq_scales=v_scales,
-                    grad_mul=grad_mul,
-                    weight_rounding=group["weight_rounding"],
-                    state_rounding=group["state_rounding"],
-                    clamp=group.get("clamp"),
-                )
-                if param is not p:
-                    p.copy_(param)
-        for items in fused_steps.values():  # one launch per dtype group and device
-            _fused_kernel().sradamw_fused_(items, grad_mul=grad_mul)
+                if p.device not in skips:  # the flag where this device's update reads it (no host sync)
+                    skips[p.device] = device_skip.to(p.device) if device_skip is not None else None
+                specs.setdefault(p.device, []).append(self._tensor_step(p, group, rank, grad_mul, skips[p.device]))
+        for device, items in specs.items():  # one implementation per device; the kernel: one launch per dtype group
+            self._update_for(device)(items, grad_mul=grad_mul, found_inf=skips[device])
+        if pending is not None:
+            pending.states = [self.state[s.param] for items in specs.values() for s in items]
+            self._pending = pending
         return loss
 
     # ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state, plus the rounding seed and the count of skipped steps.
 
-        State tensors keep their dtypes (half statistics, float32 masters and bounds).
+        State tensors keep their dtypes (half statistics, float32 masters and bounds). A pending
+        device-side skip decision is settled first.
         """
+        self._settle()
         sd = super().state_dict()
-        sd["sr"] = {"seed": self.seed, "skipped_steps": self.skipped_steps}
+        sd["sr"] = {"seed": self.seed, "skipped_steps": self._skipped_steps}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -363,6 +458,7 @@ class SRAdamW(Optimizer):
         its saved dtype (moved to the parameter's device), and the seed and skipped-step count of
         the saved run replace this optimizer's, so a resumed run continues bit-identically.
         """
+        self._settle()
         saved = copy.deepcopy(state_dict)
         sr = saved.pop("sr", None)
         super().load_state_dict(saved)
@@ -379,4 +475,4 @@ class SRAdamW(Optimizer):
             _validate_group(group)
         if sr is not None:
             self.seed = int(sr["seed"])
-            self.skipped_steps = int(sr.get("skipped_steps", 0))
+            self._skipped_steps = int(sr.get("skipped_steps", 0))

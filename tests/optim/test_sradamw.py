@@ -1,18 +1,34 @@
-"""SRAdamW against torch.optim.AdamW and float32 references, state handling, seeds, bad input."""
+"""SRAdamW against torch.optim.AdamW and float32 references, state handling, seeds, bad input, and
+the skip decision on the device (masked updates, bookkeeping settled later) against the immediate one."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
-from optim import SRAdamW, sradamw_update_
+from optim import SRAdamW, _triton, sradamw_update_
 from optim.rounding import derive_key
 
-from .sr_reference import neighbours
+from ..dist_utils import run_distributed
+from .sr_reference import (
+    assert_neighbours_with_unbiased_mean,
+    assert_same_bits,
+    assert_same_optimizer_bits,
+    defer_skips,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -82,13 +98,7 @@ def test_sr_weights_are_neighbours_of_the_float32_update_and_unbiased(dtype: tor
         p.grad = grad.clone()
         SRAdamW([p], lr=1e-3, weight_decay=0.1, state_dtype=torch.float32, seed=seed).step()
         draws.append(p.detach().double())
-    d = torch.stack(draws)
-    for i, ti in enumerate(target.tolist()):
-        lo, hi = neighbours(ti, dtype)
-        col = d[:, i]
-        assert bool(((col == lo) | (col == hi)).all()), (ti, lo, hi)
-        bound = 6 * abs(hi - lo) / (2 * math.sqrt(len(draws)))
-        assert abs(col.mean().item() - ti) <= bound, (ti, col.mean().item(), bound)
+    assert_neighbours_with_unbiased_mean(torch.stack(draws), target, dtype)
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -188,7 +198,10 @@ def test_mixed_groups_keep_their_dtypes() -> None:
     text = make_params(torch.bfloat16, 1)
     image = make_params(torch.bfloat16, 2)
     opt = SRAdamW(
-        [{"params": text, "state_dtype": torch.bfloat16}, {"params": image, "master_weights": True, "state_dtype": torch.float32}],
+        [
+            {"params": text, "state_dtype": torch.bfloat16},
+            {"params": image, "master_weights": True, "state_dtype": torch.float32},
+        ],
         lr=1e-3,
     )
     run(opt, text + image, 3)
@@ -293,11 +306,13 @@ def test_grad_scale_and_found_inf() -> None:
 
 
 def test_grad_scaler_drives_the_step() -> None:
+    """GradScaler hands the scale over as attributes; eps = 0.1 makes an update from still-scaled
+    gradients (1024x) differ visibly from the unscaled one."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     ref = copy.deepcopy(model)
     x, y = torch.randn(32, 8), torch.randn(32, 1)
-    opt, opt_ref = SRAdamW(model.parameters(), lr=1e-2), SRAdamW(ref.parameters(), lr=1e-2)
+    opt, opt_ref = SRAdamW(model.parameters(), lr=1e-2, eps=0.1), SRAdamW(ref.parameters(), lr=1e-2, eps=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     for _ in range(5):
         opt.zero_grad()
@@ -309,6 +324,12 @@ def test_grad_scaler_drives_the_step() -> None:
         opt_ref.step()
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y) * float("inf")).backward()
+    scaler.step(opt)  # the scaler's found_inf skips the step
+    assert opt.skipped_steps == 1 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -376,11 +397,229 @@ def test_group_clamp_projects_the_update() -> None:
         SRAdamW([{"params": [torch.nn.Parameter(torch.zeros(1))], "clamp": (1.0, 0.0)}])
 
 
-def test_optim_imports_torch_only() -> None:
-    # optim is importable on its own: no recipe, deepspeed or (eagerly) triton
-    import subprocess
-    import sys
 
-    code = "import sys, optim; print(sorted({m.split('.')[0] for m in sys.modules} & {'recipe', 'deepspeed', 'triton', 'transformers', 'timm'}))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "[]"
+def test_optim_imports_torch_only_and_steps_without_triton() -> None:
+    # optim is importable on its own (no recipe, deepspeed or, eagerly, triton) and steps without
+    # Triton; fused=True then fails naming Triton
+    code = textwrap.dedent(
+        """
+        import sys
+        import optim
+        loaded = {m.split('.')[0] for m in sys.modules} & {'recipe', 'deepspeed', 'triton', 'transformers', 'timm'}
+        assert not loaded, loaded
+        sys.modules['triton'] = None  # from here on, importing triton fails
+        import torch
+        p = torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16))
+        p.grad = torch.ones(5, dtype=torch.bfloat16)
+        optim.SRAdamW([p], lr=0.1).step()
+        assert bool((p < 1).all())
+        error = None
+        try:
+            optim.SRAdamW([p], fused=True)
+        except ValueError as e:
+            error = str(e)
+        assert error is not None and 'fused' in error and 'Triton' in error, f'fused=True without Triton: {error}'
+        print('ok')
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# The skip decision on the device: masked updates, bookkeeping settled at the next step
+# ----------------------------------------------------------------------------------------------
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CUDA = torch.cuda.is_available()
+
+
+def _interpreted_kernel() -> bool:
+    if not _triton.is_available():
+        return False
+    from optim import triton_kernel
+
+    return triton_kernel.interpreting()
+
+
+# (device, fused): the PyTorch path and the interpreted kernel with the deferred path forced on CPU
+# tensors (defer_skips); on CUDA both take it by themselves (the flags live on the GPU).
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
+PATHS = [
+    pytest.param("cpu", False, id="cpu-pytorch"),
+    pytest.param("cpu", True, id="cpu-fused", marks=pytest.mark.skipif(
+        not _interpreted_kernel(), reason="the kernel runs interpreted on CPU tensors only without CUDA")),
+    pytest.param("cuda", False, id="cuda-pytorch", marks=ON_GPU),
+    pytest.param("cuda", True, id="cuda-fused", marks=ON_GPU),
+]
+
+
+def skip_groups(device: str) -> list[dict]:
+    """One group per (param dtype, state dtype, master): every kind of stored tensor, float16 bounds
+    included; one group clamps, one parameter is not contiguous."""
+    gen = torch.Generator().manual_seed(5)
+    groups = []
+    for pd in DTYPES:
+        for sd in DTYPES:
+            for master in [False, True] if pd != torch.float32 else [False]:
+                w = (torch.randn(15, 20, generator=gen) * 0.3).to(pd)
+                p = torch.nn.Parameter(w.t().to(device) if len(groups) == 3 else w.to(device))
+                groups.append(dict(params=[p], state_dtype=sd, master_weights=master, weight_decay=0.1))
+    groups[1]["clamp"] = (-0.3, 0.3)
+    return groups
+
+
+def set_grads(params: list[torch.Tensor], step: int, scale: float, nan: bool = False) -> None:
+    gen = torch.Generator().manual_seed(200 + step)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen) * scale).to(device=p.device, dtype=p.dtype)
+    if nan:
+        params[-1].grad[0, 0] = float("nan")  # one element of one tensor: nothing at all may change
+
+
+def snapshot(opt: SRAdamW, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of every stored tensor: parameters, moments, masters, float16 bounds (not the steps)."""
+    out = [p.detach().clone() for p in params]
+    for p in params:
+        out += [v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and k != "step"]
+    return out
+
+
+# step -> (gradient magnitude, a NaN gradient, step() keyword arguments); found_inf as a Python number,
+# a tensor that is zero, a tensor that is one, and non-finite gradients (check_finite)
+SKIP_SCHEDULE = [
+    (1e-3, False, {}),
+    (1024.0 * 3.0, False, {"inv_grad_scale": 1 / 1024.0, "found_inf": 0.0}),
+    (1.0, False, {"found_inf": torch.tensor(1.0)}),
+    (1.0, True, {}),
+    (512.0 * 1e-2, False, {"grad_scale": torch.tensor(512.0), "found_inf": torch.tensor(0.0)}),
+    (1.0, True, {"inv_grad_scale": torch.tensor(0.5)}),
+    (1e-4, False, {}),
+]
+
+
+@pytest.mark.parametrize("device, fused", PATHS)
+def test_device_skip_flag_matches_the_immediate_decision_bit_for_bit(device: str, fused: bool) -> None:
+    # The same steps through the immediate decision (flags read on the host) and the deferred one
+    # (flags applied on the device as masked stores, bookkeeping settled at the next step), on the
+    # same device and path: finite steps are bit-identical, a skipped step leaves every stored
+    # tensor's bits, advances no step counter and is counted once settled.
+    ref_groups, groups = skip_groups(device), skip_groups(device)
+    ref_params, params = [g["params"][0] for g in ref_groups], [g["params"][0] for g in groups]
+    ref = defer_skips(SRAdamW(ref_groups, lr=2e-2, betas=(0.9, 0.99), seed=3, fused=fused), defer=False)
+    opt = SRAdamW(groups, lr=2e-2, betas=(0.9, 0.99), seed=3, fused=fused)
+    if device == "cpu":  # on a GPU the flags live there: deferred by itself
+        defer_skips(opt)
+    # a skipped first step: nothing changes (the deferred path creates the states, at step 0)
+    set_grads(ref_params, -1, 1.0, nan=True)
+    set_grads(params, -1, 1.0, nan=True)
+    before = [p.detach().clone() for p in params]
+    ref.step()
+    opt.step()
+    assert ref.skipped_steps == opt.skipped_steps == 1
+    for p, b in zip(params, before):
+        assert_same_bits(p, b, "first step skipped")
+        assert int(opt.state[p].get("step", 0)) == 0
+    for t, (scale, nan, kwargs) in enumerate(SKIP_SCHEDULE):
+        set_grads(ref_params, t, scale, nan)
+        set_grads(params, t, scale, nan)
+        skipped = nan or float(kwargs.get("found_inf", 0.0)) != 0.0
+        before = snapshot(opt, params)
+        kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        ref.step(**kwargs)
+        opt.step(**kwargs)
+        if skipped:  # before anything is settled: every stored tensor keeps its bits
+            for i, (a, b) in enumerate(zip(before, snapshot(opt, params))):
+                assert_same_bits(a, b, f"step {t}: stored tensor {i} changed in a skipped step")
+        assert opt.skipped_steps == ref.skipped_steps  # settles the deferred decision
+        assert_same_optimizer_bits(ref, ref_params, opt, params, f"step {t}")
+    assert ref.skipped_steps == 4
+    assert {int(ref.state[p]["step"]) for p in ref_params} == {4}
+    assert opt.state_dict()["sr"]["skipped_steps"] == 4
+
+
+@contextlib.contextmanager
+def no_host_reads() -> Iterator[None]:
+    """Fails on any read of a tensor's value into Python (what would synchronise with a GPU).
+
+    ``int()`` stays allowed: the per-tensor step counters are CPU tensors by design."""
+    def fail(self: torch.Tensor, *args, **kwargs):
+        raise AssertionError(f"host read of a tensor of shape {tuple(self.shape)} inside step()")
+
+    mp = pytest.MonkeyPatch()
+    for name in ("item", "tolist", "__bool__", "__float__"):
+        mp.setattr(torch.Tensor, name, fail)
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
+def test_check_finite_and_found_inf_tensor_are_not_read_in_step() -> None:
+    # With device flags (forced here on CPU tensors) step() reads no tensor: not the non-finite check,
+    # not found_inf, not the grad scale; reading skipped_steps afterwards settles the decision.
+    ref_params = [p for p in make_params(torch.bfloat16)]
+    params = [p.detach().clone().requires_grad_() for p in ref_params]
+    ref = SRAdamW(ref_params, lr=1e-2, state_dtype=torch.float16)
+    opt = defer_skips(SRAdamW(params, lr=1e-2, state_dtype=torch.float16))
+    schedule = [(False, 0.0, 0), (True, 0.0, 1), (False, 1.0, 2), (False, 0.0, 2)]  # inf grad, found_inf, skipped
+    for t, (bad, found, skipped) in enumerate(schedule):
+        for p, q, g in zip(ref_params, params, grads_for(ref_params, t)):
+            p.grad, q.grad = g.to(p.dtype), g.to(q.dtype)
+        if bad:
+            ref_params[1].grad[3] = params[1].grad[3] = float("inf")
+        ref.step(grad_scale=torch.tensor(4.0), found_inf=torch.tensor(found))
+        with no_host_reads():
+            opt.step(grad_scale=torch.tensor(4.0), found_inf=torch.tensor(found))
+        assert opt.skipped_steps == ref.skipped_steps == skipped
+        assert_same_optimizer_bits(ref, ref_params, opt, params, f"step {t}")
+    with pytest.raises(AssertionError, match="host read"), no_host_reads():
+        defer_skips(SRAdamW(params, lr=1e-2, nonfinite="raise")).step()  # raising must read the flag
+
+
+def test_nonfinite_raise_reads_the_device_flag_and_found_inf_still_skips() -> None:
+    ps = make_params(torch.bfloat16)
+    opt = defer_skips(SRAdamW(ps, lr=1e-3, nonfinite="raise"))
+    run(opt, ps, 2)
+    before = snapshot(opt, ps)
+    ps[0].grad[0] = float("nan")
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    opt.step(found_inf=torch.tensor(1.0))  # a found_inf skip is counted, not raised (both flags set)
+    assert opt.skipped_steps == 1
+    for a, b in zip(before, snapshot(opt, ps)):
+        assert_same_bits(a, b)
+    assert {int(opt.state[p]["step"]) for p in ps} == {2}
+
+
+def _dist_skip_worker(rank: int, world: int) -> dict:
+    # Rank 1 alone has a NaN gradient at the second step: the all-reduced flag skips it on both ranks,
+    # read at once (CPU) or applied on the device (deferred); the result equals a run without that step.
+    results = {}
+    for variant in ("reference", "immediate", "deferred"):
+        ps = make_params(torch.bfloat16)
+        opt = SRAdamW(ps, lr=1e-2, state_dtype=torch.float16, seed=1)
+        if variant == "deferred":
+            defer_skips(opt)
+        for t in range(3):
+            if variant == "reference" and t == 1:
+                continue
+            for p, g in zip(ps, grads_for(ps, t)):
+                p.grad = g.to(p.dtype)
+            if t == 1 and rank == 1:
+                ps[2].grad[0, 0, 0] = float("nan")
+            opt.step()
+        results[variant] = {"params": [p.detach().clone() for p in ps], "skipped": opt.skipped_steps,
+                            "steps": [int(opt.state[p]["step"]) for p in ps]}
+    return results
+
+
+def test_nonfinite_flag_is_reduced_over_ranks() -> None:
+    for rank, res in enumerate(run_distributed(_dist_skip_worker, 2, timeout_s=240)):
+        ref = res["reference"]
+        assert ref["skipped"] == 0 and ref["steps"] == [2] * 4
+        for variant in ("immediate", "deferred"):
+            got = res[variant]
+            assert got["skipped"] == 1 and got["steps"] == [2] * 4, (rank, variant)
+            for a, b in zip(ref["params"], got["params"]):
+                assert_same_bits(a, b, f"rank {rank} {variant}")

@@ -1,0 +1,1 @@
+"""Tests of the standalone ``optim`` package (stochastic rounding, SRAdamW, the fused kernel)."""
