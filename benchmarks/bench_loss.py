@@ -3,7 +3,7 @@
 Compares, on the same inputs (world size 1, L2-normalised random features, logit scale 100):
   * ``recipe.loss.ClipLoss(mode="plain")``: fp32 ``B x B`` logit blocks and ``F.cross_entropy``;
   * ``recipe.loss.ClipLoss(mode="chunked")`` for each ``--chunk-size``: tiled online log-sum-exp;
-  * ``recipe.loss.ClipLoss(mode="fused")``: the Triton kernels of ``recipe/loss_kernels.py`` (GPU;
+  * ``recipe.loss.ClipLoss(mode="fused")``: the Triton kernels of ``recipe/loss/fused.py`` (GPU;
     on the CPU only with ``--impls fused``, where they run in Triton's interpreter and the timing
     means nothing), plus one row per ``--fused-tiles`` configuration;
   * open_clip's ``ClipLoss`` (``open_clip_torch``, bench extra), if installed.
@@ -49,8 +49,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import dataclasses
 import datetime
 import gc
@@ -59,62 +57,17 @@ import importlib.util
 import platform
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import CpuPeakRss  # noqa: E402  (the benchmarks' shared module; puts the repository on sys.path)
 from recipe.loss import ClipLoss  # noqa: E402
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 MIB = 2**20
-
-
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-
-
-class CpuPeakRss:
-    """Peak resident-set growth of this process over a region (Linux ``VmHWM`` reset trick)."""
-
-    def __init__(self) -> None:
-        self.libc = _libc()
-        self.available = sys.platform.startswith("linux") and self._reset_hwm()
-
-    @staticmethod
-    def _status_kib(field: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-        raise KeyError(field)
-
-    @staticmethod
-    def _reset_hwm() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            return True
-        except OSError:
-            return False
-
-    def start(self) -> None:
-        gc.collect()
-        if self.libc is not None and hasattr(self.libc, "malloc_trim"):
-            self.libc.malloc_trim(0)
-        self._reset_hwm()
-        self.base_kib = self._status_kib("VmRSS")
-
-    def stop_mib(self) -> float:
-        return (self._status_kib("VmHWM") - self.base_kib) / 1024
 
 
 IMPLS = ("plain", "chunked", "fused", "open_clip")
@@ -122,37 +75,45 @@ IMPLS = ("plain", "chunked", "fused", "open_clip")
 
 def _fused_with_tiles(spec: str, dtype: torch.dtype, dim: int) -> LossFn:
     """World-size-1 fused loss with an explicit tile configuration ``<BM>x<BN>x<BK>w<warps>s<stages>``."""
-    from recipe import loss_kernels
+    from recipe.loss import fused
 
     match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)", spec)
     if match is None:
         raise SystemExit(f"--fused-tiles: expected e.g. 128x128x64w8s3, got {spec!r}")
     bm, bn, bk, warps, stages = map(int, match.groups())
     cfg = dataclasses.replace(
-        loss_kernels.default_config(dtype, dim), block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages
+        fused.default_config(dtype, dim), block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages
     )
 
     def loss(image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        ce_i2t, ce_t2i, _, _ = loss_kernels.fused_symmetric_cross_entropy(image, text, scale.float(), cfg)
+        ce_i2t, ce_t2i, _, _ = fused.fused_symmetric_cross_entropy(image, text, scale.float(), cfg)
         return (ce_i2t.sum() + ce_t2i.sum()) / (2 * image.shape[0])
 
     return loss
 
 
 def implementations(
-    chunk_sizes: list[int], names: tuple[str, ...] = IMPLS, fused_tiles: tuple[str, ...] = (),
-    dtype: torch.dtype = torch.bfloat16, dim: int = 1024,
+    chunk_sizes: list[int],
+    names: tuple[str, ...] = IMPLS,
+    fused_tiles: tuple[str, ...] = (),
+    dtype: torch.dtype = torch.bfloat16,
+    dim: int = 1024,
 ) -> dict[str, LossFn | None]:
     """Name -> loss callable ``fn(image, text, scale)``; ``None`` marks a missing optional package."""
     impls: dict[str, LossFn | None] = {}
+
+    def recipe_loss(mode: str, chunk_size: int = 4096) -> LossFn:
+        fn = ClipLoss(mode=mode, chunk_size=chunk_size, validate=False)
+        return lambda image, text, scale: fn(image, text, scale).loss
+
     if "plain" in names:
-        impls["plain"] = ClipLoss(mode="plain", validate=False)
+        impls["plain"] = recipe_loss("plain")
     if "chunked" in names:
         for chunk in chunk_sizes:
-            impls[f"chunked c={chunk}"] = ClipLoss(mode="chunked", chunk_size=chunk, validate=False)
+            impls[f"chunked c={chunk}"] = recipe_loss("chunked", chunk)
     if "fused" in names:
         have_triton = importlib.util.find_spec("triton") is not None
-        impls["fused"] = ClipLoss(mode="fused", validate=False) if have_triton else None
+        impls["fused"] = recipe_loss("fused") if have_triton else None
         for spec in fused_tiles:
             impls[f"fused {spec}"] = _fused_with_tiles(spec, dtype, dim) if have_triton else None
     if "open_clip" in names:
@@ -204,7 +165,12 @@ def run_once(fn: LossFn, image, text, scale) -> float:
 
 
 def measure(
-    fn: LossFn, inputs, device: torch.device, warmup: int, repeats: int, cpu_rss: CpuPeakRss,
+    fn: LossFn,
+    inputs,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    cpu_rss: CpuPeakRss,
     time_budget_s: float = float("inf"),
 ):
     """Returns ``(median wall ms, median process CPU ms, peak extra MiB or None, loss, passes)``.
@@ -271,11 +237,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, nargs="+", help="global batch sizes B (world size 1)")
     parser.add_argument("--dim", type=int, nargs="+", help="embedding dims D")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--impls", nargs="+", choices=IMPLS,
-                        help="implementations (default: all; on the CPU all but fused)")
+    parser.add_argument(
+        "--impls", nargs="+", choices=IMPLS, help="implementations (default: all; on the CPU all but fused)"
+    )
     parser.add_argument("--chunk-size", type=int, nargs="+", help="chunk sizes of the chunked mode")
-    parser.add_argument("--fused-tiles", nargs="+", default=[],
-                        help="extra fused rows with tiles <BM>x<BN>x<BK>w<warps>s<stages>, e.g. 128x128x64w8s3")
+    parser.add_argument(
+        "--fused-tiles",
+        nargs="+",
+        default=[],
+        help="extra fused rows with tiles <BM>x<BN>x<BK>w<warps>s<stages>, e.g. 128x128x64w8s3",
+    )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, help="timed passes (median reported)")
     parser.add_argument("--time-budget-s", type=float, default=20.0, help="cap on the timed passes of one row")
@@ -308,10 +279,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         name = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
         mem_method = "peak RSS (VmHWM) growth" if cpu_rss.available else "n/a"
-    print(f"# bench_loss: {name}; torch {torch.__version__}; triton {_triton_version()}; "
-          f"{datetime.date.today().isoformat()}; dtype {str(dtype).removeprefix('torch.')}; world size 1; "
-          f"fwd+bwd median of up to {repeats} (time budget {args.time_budget_s:g} s per row); "
-          f"memory = {mem_method} beyond the inputs; FLOP floor 8 B^2 D at {tflops:.3g} TFLOP/s ({how})\n")
+    print(
+        f"# bench_loss: {name}; torch {torch.__version__}; triton {_triton_version()}; "
+        f"{datetime.date.today().isoformat()}; dtype {str(dtype).removeprefix('torch.')}; world size 1; "
+        f"fwd+bwd median of up to {repeats} (time budget {args.time_budget_s:g} s per row); "
+        f"memory = {mem_method} beyond the inputs; FLOP floor 8 B^2 D at {tflops:.3g} TFLOP/s ({how})\n"
+    )
     cpu_col = "" if gpu else " CPU ms |"
     print(f"| B | D | implementation | fwd+bwd ms |{cpu_col} floor ms | x floor | peak extra MiB | loss |")
     print("|---:|---:|---|---:|" + ("" if gpu else "---:|") + "---:|---:|---:|---:|")
@@ -358,8 +331,11 @@ def main(argv: list[str] | None = None) -> None:
                 peak_s = "n/a" if peak is None else f"{peak:.1f}"
                 cpu_s = "" if gpu else f" {cpu_ms:.1f} |"
                 reps = "" if passes == repeats else f" ({passes} passes)"
-                print(f"| {batch} | {dim} | {impl} | {ms:.1f}{reps} |{cpu_s} {floor_ms:.3g} | {ms / floor_ms:.2f} "
-                      f"| {peak_s} | {loss:.6f} |", flush=True)
+                print(
+                    f"| {batch} | {dim} | {impl} | {ms:.1f}{reps} |{cpu_s} {floor_ms:.3g} | {ms / floor_ms:.2f} "
+                    f"| {peak_s} | {loss:.6f} |",
+                    flush=True,
+                )
             del inputs
 
 

@@ -38,21 +38,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import gc
 import json
-import os
-import platform
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import RESULTS, ROOT, TextSpec, build_recipe_arm, environment, make_inputs, write_result  # noqa: E402
 
 __all__ = ["MemoryMode", "MODES", "measure_engine", "tensor_census", "run_modes", "markdown_table", "main"]
 
@@ -80,12 +73,20 @@ MODES: dict[str, MemoryMode] = {
     "zero1_bf16_halfmaster": MemoryMode("zero1_bf16_halfmaster.json", label="bf16 halfmaster, ZeRO-1"),
     "zero2_bf16_halfmaster": MemoryMode("zero2_bf16_halfmaster.json", label="bf16 halfmaster, ZeRO-2"),
     "zero3_bf16_halfmaster": MemoryMode("zero3_bf16_halfmaster.json", label="bf16 halfmaster, ZeRO-3"),
-    "zero2_bf16_halfmaster_allsr": MemoryMode("zero2_bf16_halfmaster.json", label="bf16 halfmaster, ZeRO-2, image tower SR too", image_master=False),
+    "zero2_bf16_halfmaster_allsr": MemoryMode(
+        "zero2_bf16_halfmaster.json", label="bf16 halfmaster, ZeRO-2, image tower SR too", image_master=False
+    ),
     "zero0_fp16_sr_lossscale": MemoryMode("zero0_fp16_sr_lossscale.json", label="fp16 SR + loss scaling, ZeRO-0"),
     "zero2_fp32": MemoryMode("zero2_fp32.json", label="fp32, ZeRO-2"),
-    "zero1_bf16_standard": MemoryMode("zero1_bf16_halfmaster.json", standard=True, label="DeepSpeed standard bf16 + AdamW, ZeRO-1"),
-    "zero2_bf16_standard": MemoryMode("zero2_bf16_halfmaster.json", standard=True, label="DeepSpeed standard bf16 + AdamW, ZeRO-2"),
-    "zero3_bf16_standard": MemoryMode("zero3_bf16_halfmaster.json", standard=True, label="DeepSpeed standard bf16 + AdamW, ZeRO-3"),
+    "zero1_bf16_standard": MemoryMode(
+        "zero1_bf16_halfmaster.json", standard=True, label="DeepSpeed standard bf16 + AdamW, ZeRO-1"
+    ),
+    "zero2_bf16_standard": MemoryMode(
+        "zero2_bf16_halfmaster.json", standard=True, label="DeepSpeed standard bf16 + AdamW, ZeRO-2"
+    ),
+    "zero3_bf16_standard": MemoryMode(
+        "zero3_bf16_halfmaster.json", standard=True, label="DeepSpeed standard bf16 + AdamW, ZeRO-3"
+    ),
 }
 
 
@@ -132,7 +133,11 @@ def _walk(obj: Any, path: str, seen: set[int], depth: int = 0) -> Iterator[tuple
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             yield from _walk(v, f"{path}[{i}]", seen, depth + 1)
-    elif type(obj).__module__.startswith("deepspeed") and hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+    elif (
+        type(obj).__module__.startswith("deepspeed")
+        and hasattr(obj, "__dict__")
+        and not isinstance(obj, torch.nn.Module)
+    ):
         for k, v in list(vars(obj).items()):
             yield from _walk(v, f"{path}.{k}", seen, depth + 1)
 
@@ -146,7 +151,9 @@ def tensor_census(describe: bool = False) -> dict[int, Any]:
             if isinstance(obj, torch.Tensor):
                 key = _storage(obj)
                 if key and (key[0] not in out or (out[key[0]][0] if describe else out[key[0]]) < key[1]):
-                    out[key[0]] = (key[1], f"{str(obj.dtype).removeprefix('torch.')}{list(obj.shape)}") if describe else key[1]
+                    out[key[0]] = (
+                        (key[1], f"{str(obj.dtype).removeprefix('torch.')}{list(obj.shape)}") if describe else key[1]
+                    )
         except (ReferenceError, RuntimeError):
             continue
     return out
@@ -231,7 +238,11 @@ def measure_engine(
     groups = {}
     for name, g in live["groups"].items():
         size = group_sizes.get(name) or 0
-        groups[name] = {"partition": g["partition"] * n / size if size else None, "state": g["state"] * n / size if size else None, "params": size}
+        groups[name] = {
+            "partition": g["partition"] * n / size if size else None,
+            "state": g["state"] * n / size if size else None,
+            "params": size,
+        }
     return {
         "params": n,
         "weights": weights / n,
@@ -268,65 +279,57 @@ def measure_mode(
     ``inspect(engine, optimizer, result)``, when given, is called at the same moment and its dict
     is stored under ``result["inspect"]`` (tests use it to read references off the live engine).
     """
-    import deepspeed
     import torch.distributed as dist
 
-    from bench_train import make_inputs, TextSpec  # noqa: I001
-    from recipe.config import ModelArgs, TrainConfig
     from recipe.loss import ClipLoss
-    from recipe.model import create_model
     from recipe.param_groups import param_groups
-    from recipe.precision import allreduce_gradients, resolve_precision
-    from recipe.train import build_optimizer, grad_multiplier, step_kwargs
+    from recipe.step import TrainState, train_step
 
     mode = MODES[name]
-    prec, ds = resolve_precision(ds_config_of(mode, batch))
     gc.collect()
     baseline = tensor_census()
-    torch.manual_seed(seed)
-    model = create_model(preset)
-    if prec.mode == "fp16":
-        model.half()
-    if mode.standard:
+
+    def standard_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
         groups = param_groups(model, 0.2)
         for g in groups:
             g.pop("master_weights", None)
-        opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
-    else:
-        opt = build_optimizer(model, TrainConfig(model=ModelArgs(image_master_weights=mode.image_master)), prec)
-    group_sizes = {g["name"]: sum(p.numel() for p in g["params"]) for g in opt.param_groups}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
-    if prec.mode == "fp16":
-        engine.enable_backward_allreduce = False
-    tcfg = model.text.config
-    text = TextSpec(int(tcfg.vocab_size), int(model.context_length), int(tcfg.bos_token_id), int(tcfg.eos_token_id))
+        return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
+
+    arm = build_recipe_arm(
+        preset,
+        ds_config_of(mode, batch),
+        seed,
+        image_master_weights=mode.image_master,
+        optimizer=standard_adamw if mode.standard else None,
+    )
+    engine, opt, prec = arm.engine, arm.optimizer, arm.precision
     rank = dist.get_rank() if dist.is_initialized() else 0
-    inputs = make_inputs(batch, int(model.image_data_config()["input_size"][-1]), text, seed * 100 + rank)
+    inputs = make_inputs(
+        batch, int(arm.model.image_data_config()["input_size"][-1]), TextSpec.of(arm.model), seed * 100 + rank
+    )
     inputs = {k: v.to(device) for k, v in inputs.items()}
-    loss_fn = ClipLoss(validate=False)
+    loss_fn, state = ClipLoss(validate=False), TrainState()
     result: dict[str, Any] = {}
-    for step in range(2):
-        img, txt, scale = engine(inputs["pixel_values"].to(prec.param_dtype), inputs["input_ids"], inputs["attention_mask"])
-        loss = loss_fn(img, txt, scale)
-        engine.backward(loss * prec.loss_scaler.scale if prec.loss_scaler else loss)
-        kw: dict[str, Any] = {}
-        if prec.loss_scaler is not None:
-            allreduce_gradients(list(engine.module.parameters()))
-            kw["inv_grad_scale"] = grad_multiplier(engine.module, prec)
-        del img, txt, scale
-        if step == 1:
-            gc.collect()
-            result = measure_engine(engine, opt, group_sizes, exclude=list(inputs.values()) + [loss, *loss_fn.last_metrics.values()], baseline=baseline)
-            if inspect is not None:
-                result["inspect"] = inspect(engine, opt, result)
-        if isinstance(opt, torch.optim.AdamW):
-            engine.step()
-        else:
-            with step_kwargs(opt, **kw):
-                engine.step()
-    result.update(mode=name, preset=preset, precision=prec.label, world_size=dist.get_world_size() if dist.is_initialized() else 1, zero_stage=prec.zero_stage, optimizer=type(opt).__name__, loss=float(loss.detach()))
+
+    def measure(live: list[torch.Tensor], engine: Any = engine, opt: Any = opt, sizes: dict = arm.group_sizes) -> None:
+        gc.collect()  # between the second backward and the second optimizer step
+        result.update(measure_engine(engine, opt, sizes, exclude=list(inputs.values()) + live, baseline=baseline))
+        if inspect is not None:
+            result["inspect"] = inspect(engine, opt, result)
+
+    train_step(engine, opt, loss_fn, prec, [inputs], state, max_nonfinite_in_row=10**9)  # creates the state
+    out = train_step(engine, opt, loss_fn, prec, [inputs], state, max_nonfinite_in_row=10**9, after_backward=measure)
+    result.update(
+        mode=name,
+        preset=preset,
+        precision=prec.label,
+        world_size=dist.get_world_size() if dist.is_initialized() else 1,
+        zero_stage=prec.zero_stage,
+        optimizer=type(opt).__name__,
+        loss=float(out.loss),
+    )
     engine.destroy() if hasattr(engine, "destroy") else None
-    del engine, opt, model
+    del engine, opt, arm, measure
     gc.collect()
     return result
 
@@ -379,7 +382,21 @@ def run_modes(
     env = {"TOKENIZERS_PARALLELISM": "false"}
     if device_type == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
-    return run_distributed(_rank_worker, world, names, batch, seed, threads, inspect, preset, device_type, init_process_group=False, env=env, timeout_s=timeout_s, threads_per_rank=threads)
+    return run_distributed(
+        _rank_worker,
+        world,
+        names,
+        batch,
+        seed,
+        threads,
+        inspect,
+        preset,
+        device_type,
+        init_process_group=False,
+        env=env,
+        timeout_s=timeout_s,
+        threads_per_rank=threads,
+    )
 
 
 def summarize(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -412,11 +429,15 @@ def markdown_table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
     world = next((r["world_size"] for r in rows if "world_size" in r), "?")
     preset = next((r["preset"] for r in rows if "preset" in r), "?")
     params = next((r["params"] for r in rows if "params" in r), 0)
+    ranks = f"each of {world} ranks" if world != 1 else "one rank"
+    v = env["versions"]
     lines = [
-        f"Bytes per parameter on {'each of ' + str(world) + ' ranks' if world != 1 else 'one rank'}, read from the live engine between the second backward and "
-        f"the second optimizer step; `{preset}` preset ({params:,} parameters), {env['device']}, torch {env['torch']}, deepspeed {env['deepspeed']}, {env['date']}.",
+        f"Bytes per parameter on {ranks}, read from the live engine between the second backward and the second "
+        f"optimizer step; `{preset}` preset ({params:,} parameters), {env['device']}, torch {v['torch']}, "
+        f"deepspeed {v['deepspeed']}, {env['date']}.",
         "",
-        "| mode | optimizer | weights | grads | partition + optimizer state | total | text tower: partition + state | image tower: partition + state | reduce buckets | unaccounted |",
+        "| mode | optimizer | weights | grads | partition + optimizer state | total | text tower: partition + state "
+        "| image tower: partition + state | reduce buckets | unaccounted |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -425,62 +446,63 @@ def markdown_table(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
             continue
         sr, master = _sr_and_master(r["groups"])
         lines.append(
-            f"| {MODES[r['mode']].label} | {r['optimizer']} | {r['weights']:.2f} | {r['grads']:.2f} | {r['partitions'] + r['state']:.2f} | "
-            f"**{r['total']:.2f}** | {sr} | {master} | {r['buffers_bytes'] / 2**20:.0f} MiB | {r['unaccounted_bytes_max_over_ranks'] / 2**10:.0f} KiB |"
+            f"| {MODES[r['mode']].label} | {r['optimizer']} | {r['weights']:.2f} | {r['grads']:.2f} "
+            f"| {r['partitions'] + r['state']:.2f} | **{r['total']:.2f}** | {sr} | {master} "
+            f"| {r['buffers_bytes'] / 2**20:.0f} MiB | {r['unaccounted_bytes_max_over_ranks'] / 2**10:.0f} KiB |"
         )
     lines += [
         "",
-        "Tower columns are per parameter of that tower (in the recipe's modes the text tower is SR bf16/fp16 without a "
-        "master and the image tower keeps an fp32 master inside SRAdamW's state, unless it is SR too). Reduce buckets are fixed-size "
-        "(`reduce_bucket_size`), not per parameter. `unaccounted`: tensor storages alive in the process that none of the "
-        "columns claims (gloo and DeepSpeed scratch), largest over ranks.",
+        "Tower columns are per parameter of that tower (in the recipe's modes the text tower is SR bf16/fp16 without "
+        "a master and the image tower keeps an fp32 master inside SRAdamW's state, unless it is SR too). Reduce "
+        "buckets are fixed-size (`reduce_bucket_size`), not per parameter. `unaccounted`: tensor storages alive in "
+        "the process that none of the columns claims (gloo and DeepSpeed scratch), largest over ranks.",
     ]
     return "\n".join(lines) + "\n"
 
 
-def environment(device_type: str = "cpu") -> dict[str, Any]:
-    import deepspeed
-
-    if device_type == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        device = f"{props.name} ({props.total_memory / 2**30:.0f} GiB), NCCL"
-    else:
-        device = f"CPU ({platform.machine()}, gloo)"
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "deepspeed": deepspeed.__version__,
-        "python": platform.python_version(),
-        "device": device,
-        "cpu_count": os.cpu_count(),
-    }
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo ranks; cuda: one GPU per rank, NCCL")
+    ap.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo ranks; cuda: one GPU per rank, NCCL"
+    )
     ap.add_argument("--world", type=int, default=2, help="ranks (processes)")
     ap.add_argument("--batch", type=int, default=8, help="micro-batch per rank")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--preset", default="tiny", help="recipe.model preset (ViT-B-32 fits in CPU memory too; its SR steps take minutes)")
+    ap.add_argument(
+        "--preset",
+        default="tiny",
+        help="recipe.model preset (ViT-B-32 fits in CPU memory too; its SR steps take minutes)",
+    )
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for all modes")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--json", default=None, help="output JSON (default benchmarks/results/bench_memory_cpu_w<world>.json)")
+    ap.add_argument(
+        "--json", default=None, help="output JSON (default benchmarks/results/bench_memory_cpu_w<world>.json)"
+    )
     args = ap.parse_args(argv)
     if args.world < 1 or args.batch < 2:
         raise SystemExit("need --world >= 1 and --batch >= 2")
-    per_rank = run_modes(args.modes, args.world, args.batch, args.seed, args.threads, args.timeout, preset=args.preset, device_type=args.device)
+    per_rank = run_modes(
+        args.modes,
+        args.world,
+        args.batch,
+        args.seed,
+        args.threads,
+        args.timeout,
+        preset=args.preset,
+        device_type=args.device,
+    )
     rows = summarize(per_rank)
     env = environment(args.device)
-    table = markdown_table(rows, env)
-    result = {"environment": env, "settings": vars(args), "rows": rows, "per_rank": per_rank, "markdown": table}
+    result = {"environment": env, "settings": vars(args), "rows": rows, "per_rank": per_rank}
     suffix = "" if args.preset == "tiny" else f"_{args.preset}"
-    path = Path(args.json or ROOT / "benchmarks" / "results" / f"bench_memory_{args.device}_w{args.world}{suffix}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(table)
-    print(f"wrote {path}", file=sys.stderr)
+    write_result(
+        args.json or RESULTS / f"bench_memory_{args.device}_w{args.world}{suffix}.json",
+        result,
+        markdown_table(rows, env),
+    )
     return result
 
 

@@ -43,16 +43,10 @@ Output: a markdown table (device, versions, date) on stdout and a JSON file
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
-import datetime
 import gc
-import hashlib
 import json
 import math
 import os
-import platform
-import socket
 import subprocess
 import sys
 import time
@@ -62,12 +56,22 @@ from typing import Any, Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import (  # noqa: E402  (the benchmarks' shared module; puts the repository on sys.path)
+    GIB,
+    MIB,
+    RESULTS,
+    ROOT,
+    CpuPeakRss,
+    TextSpec,
+    build_recipe_arm,
+    environment,
+    input_checksum,
+    make_inputs,
+    write_result,
+)
 
 __all__ = [
     "BenchSettings",
-    "Arm",
     "available_arms",
     "make_inputs",
     "input_checksum",
@@ -80,8 +84,6 @@ __all__ = [
 ]
 
 RESULT_TAG = "BENCH_TRAIN_RESULT "
-GIB = 2**30
-MIB = 2**20
 DEFAULT_DS_CONFIG = str(ROOT / "ds_configs" / "zero2_bf16_halfmaster.json")
 
 #: open_clip keyword overrides that give the ``tiny`` preset's sizes.
@@ -136,58 +138,6 @@ def resolve_settings(s: BenchSettings) -> BenchSettings:
 
 
 # ----------------------------------------------------------------------------------------------
-# inputs
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TextSpec:
-    """Token conventions of a text tower."""
-
-    vocab_size: int
-    context_length: int
-    bos: int
-    eos: int
-    pad: int = 0
-
-
-def make_inputs(batch: int, image_size: int, text: TextSpec, seed: int) -> dict[str, torch.Tensor]:
-    """Random pixels ``[B, 3, S, S]`` (standard normal) and token rows: ``bos``, random ids that
-    are none of the special ids, ``eos`` at a random length in ``[3, context]``, ``pad`` after.
-
-    Rows are a prefix-stable function of ``seed``: row ``i`` does not depend on ``batch``.
-    """
-    pixels, ids, mask = [], [], []
-    for i in range(batch):
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
-        pixels.append(torch.randn(3, image_size, image_size, generator=gen))
-        length = int(torch.randint(3, text.context_length + 1, (1,), generator=gen))
-        row = torch.full((text.context_length,), text.pad, dtype=torch.long)
-        low = 1 + max(text.pad, 2)
-        body = torch.randint(low, text.vocab_size - 2, (length - 2,), generator=gen)
-        body = torch.where((body == text.bos) | (body == text.eos), torch.full_like(body, low), body)
-        row[0], row[1 : length - 1], row[length - 1] = text.bos, body, text.eos
-        ids.append(row)
-        m = torch.zeros(text.context_length, dtype=torch.long)
-        m[:length] = 1
-        mask.append(m)
-    return {"pixel_values": torch.stack(pixels), "input_ids": torch.stack(ids), "attention_mask": torch.stack(mask)}
-
-
-def input_checksum(inputs: dict[str, torch.Tensor], text: TextSpec) -> str:
-    """SHA-1 of the pixels, the attention mask and the tokens with the begin/end-of-text ids
-    written as -2/-1, so that models that differ only in those two ids get the same checksum."""
-    h = hashlib.sha1()
-    h.update(inputs["pixel_values"].float().numpy().tobytes())
-    ids = inputs["input_ids"].clone()
-    ids[ids == text.eos] = -1
-    ids[ids == text.bos] = -2
-    h.update(ids.numpy().tobytes())
-    h.update(inputs["attention_mask"].numpy().tobytes())
-    return h.hexdigest()
-
-
-# ----------------------------------------------------------------------------------------------
 # runners: build a model + optimizer once, then train steps at any batch size
 # ----------------------------------------------------------------------------------------------
 
@@ -205,70 +155,41 @@ class Runner:
         raise NotImplementedError
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def init_single_process_distributed(device: torch.device) -> None:
-    """World size 1 without a launcher: sets the environment ``deepspeed`` reads, then initialises."""
-    import deepspeed
-
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-
-
 class RecipeRunner(Runner):
-    """The recipe: DeepSpeed engine, SRAdamW groups from :func:`recipe.train.build_optimizer`,
-    :class:`recipe.loss.ClipLoss`; the step mirrors :func:`recipe.train.train`'s (non-finite loss
-    flag passed to SRAdamW through ``step_kwargs``)."""
+    """The recipe: the engine :mod:`recipe.train` builds (DeepSpeed, SRAdamW over the CLIP paper's
+    groups) stepped by the recipe's own :func:`recipe.step.train_step`."""
 
-    def __init__(self, preset: str, loss_mode: str, ckpt: bool, ds_config: str, device: torch.device, batch: int, seed: int = 0) -> None:
-        import deepspeed
-
-        from recipe.config import ModelArgs, TrainConfig
+    def __init__(
+        self, preset: str, loss_mode: str, ckpt: bool, ds_config: str, device: torch.device, batch: int, seed: int = 0
+    ) -> None:
         from recipe.loss import ClipLoss
-        from recipe.model import create_model
-        from recipe.precision import resolve_precision
-        from recipe.train import build_optimizer
+        from recipe.step import TrainState
 
-        init_single_process_distributed(device)
         ds = json.loads(Path(ds_config).read_text())
         ds["train_micro_batch_size_per_gpu"] = batch
         ds["gradient_accumulation_steps"] = 1
         ds.pop("train_batch_size", None)
-        self.prec, ds = resolve_precision(ds)
-        if self.prec.loss_scaler is not None:
-            raise ValueError("bench_train runs the bf16/fp32 routes; the fp16 route needs the recipe's loss scaling")
-        torch.manual_seed(seed)
-        model = create_model(preset)
-        model.set_grad_checkpointing(ckpt)
-        cfg = TrainConfig(deepspeed_config=ds_config, model=ModelArgs(preset=preset, grad_checkpointing=ckpt))
-        self.opt = build_optimizer(model, cfg, self.prec)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.opt, config=ds)
+        self.arm = build_recipe_arm(preset, ds, seed, grad_checkpointing=ckpt)
         self.loss_fn = ClipLoss(mode=loss_mode, validate=False)
+        self.state = TrainState()
         self.device = device
         self.name = f"recipe-{loss_mode}"
-        self.description = f"recipe {preset}, DeepSpeed {self.prec.label} (SR text, fp32-master image), ClipLoss {loss_mode}"
-        tcfg = model.text.config
-        self.text = TextSpec(int(tcfg.vocab_size), int(model.context_length), int(tcfg.bos_token_id), int(tcfg.eos_token_id), int(tcfg.pad_token_id or 0))
+        self.description = (
+            f"recipe {preset}, DeepSpeed {self.arm.precision.label} (SR text, fp32-master image), ClipLoss {loss_mode}"
+        )
+        model = self.arm.model
+        self.text = TextSpec.of(model)
         self.image_size = int(model.image_data_config()["input_size"][-1])
         self.params = sum(p.numel() for p in model.parameters())
 
     def step(self, inputs: dict[str, torch.Tensor]) -> float:
-        from recipe.train import step_kwargs
+        from recipe.step import train_step
 
-        img, txt, scale = self.engine(inputs["pixel_values"].to(self.prec.param_dtype), inputs["input_ids"], inputs["attention_mask"])
-        loss = self.loss_fn(img, txt, scale)
-        self.engine.backward(loss)
-        found_inf = torch.tensor(float(not torch.isfinite(loss.detach())))
-        with step_kwargs(self.opt, found_inf=found_inf):
-            self.engine.step()
-        return float(loss.detach())
+        a = self.arm
+        result = train_step(
+            a.engine, a.optimizer, self.loss_fn, a.precision, [inputs], self.state, max_nonfinite_in_row=10**9
+        )
+        return float(result.loss)
 
 
 def _openclip_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -295,11 +216,21 @@ class OpenClipRunner(Runner):
 
             model = create_model(preset)
             tcfg = model.text.config
-            self.text = TextSpec(int(tcfg.vocab_size), int(model.context_length), int(tcfg.bos_token_id), int(tcfg.eos_token_id), int(tcfg.pad_token_id or 0))
+            self.text = TextSpec(
+                int(tcfg.vocab_size),
+                int(model.context_length),
+                int(tcfg.bos_token_id),
+                int(tcfg.eos_token_id),
+                int(tcfg.pad_token_id or 0),
+            )
             self.image_size = int(model.image_data_config()["input_size"][-1])
-            self.loss_fn: Callable[..., torch.Tensor] = ClipLoss(validate=False)
+            recipe_loss = ClipLoss(validate=False)
+            self.loss_fn: Callable[..., torch.Tensor] = lambda *a: recipe_loss(*a).loss
             self.name = "torch-amp"
-            self.description = f"recipe {preset} model in fp32, bf16 autocast, torch AdamW, recipe plain loss (open_clip not installed)"
+            self.description = (
+                f"recipe {preset} model in fp32, bf16 autocast, torch AdamW, recipe plain loss "
+                "(open_clip not installed)"
+            )
             self._forward = lambda m, x: m(x["pixel_values"], x["input_ids"], x["attention_mask"])
         else:
             import open_clip
@@ -313,10 +244,17 @@ class OpenClipRunner(Runner):
             vocab, ctx = int(cfg["vocab_size"]), int(cfg["context_length"])
             # OpenCLIP pools at the largest token id: end-of-text is the last id of the vocabulary.
             self.text = TextSpec(vocab, ctx, bos=vocab - 2, eos=vocab - 1)
-            self.image_size = int(model.visual.image_size[0] if isinstance(model.visual.image_size, (tuple, list)) else model.visual.image_size)
+            self.image_size = int(
+                model.visual.image_size[0]
+                if isinstance(model.visual.image_size, (tuple, list))
+                else model.visual.image_size
+            )
             self.loss_fn = OpenClipLoss()
             self.name = "openclip"
-            self.description = f"open_clip {open_clip.__version__} ViT-B-32{'' if not kwargs else ' (tiny sizes)'}, bf16 autocast, torch AdamW, open_clip ClipLoss"
+            sizes = "" if not kwargs else " (tiny sizes)"
+            self.description = (
+                f"open_clip {open_clip.__version__} ViT-B-32{sizes}, bf16 autocast, torch AdamW, open_clip ClipLoss"
+            )
             self._forward = lambda m, x: m(x["pixel_values"], x["input_ids"])
         model.to(device)
         model.set_grad_checkpointing(ckpt)
@@ -342,43 +280,12 @@ class OpenClipRunner(Runner):
 # ----------------------------------------------------------------------------------------------
 
 
-class _CpuPeak:
-    """Peak resident set size of this process since :meth:`reset` (Linux ``VmHWM``)."""
-
-    def __init__(self) -> None:
-        name = ctypes.util.find_library("c")
-        self.libc = ctypes.CDLL(name) if name else None
-        self.available = sys.platform.startswith("linux") and os.path.exists("/proc/self/clear_refs")
-
-    @staticmethod
-    def _kib(field_name: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
-        raise KeyError(field_name)
-
-    def rss_bytes(self) -> int:
-        gc.collect()
-        if self.libc is not None and hasattr(self.libc, "malloc_trim"):
-            self.libc.malloc_trim(0)
-        return self._kib("VmRSS") * 1024
-
-    def reset(self) -> None:
-        self.rss_bytes()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
-    def peak_bytes(self) -> int:
-        return self._kib("VmHWM") * 1024
-
-
 class _Meter:
     """Peak memory of a region, CUDA or CPU, in bytes (see the module docstring)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.cpu = _CpuPeak() if device.type == "cpu" else None
+        self.cpu = CpuPeakRss() if device.type == "cpu" else None
         if self.cpu is not None and not self.cpu.available:
             raise RuntimeError("CPU peak memory needs Linux /proc/self/clear_refs")
         self.base = self.cpu.rss_bytes() if self.cpu else 0
@@ -422,7 +329,15 @@ def build_runner(spec: dict[str, Any], device: torch.device) -> Runner:
     """The runner an arm name stands for (``recipe-<mode>``, ``openclip``, ``torch-amp``)."""
     arm = spec["arm"]
     if arm.startswith("recipe-"):
-        return RecipeRunner(spec["preset"], arm.removeprefix("recipe-"), spec["ckpt"], spec["ds_config"], device, spec["batches"][0]["batch"], spec["seed"])
+        return RecipeRunner(
+            spec["preset"],
+            arm.removeprefix("recipe-"),
+            spec["ckpt"],
+            spec["ds_config"],
+            device,
+            spec["batches"][0]["batch"],
+            spec["seed"],
+        )
     if arm in ("openclip", "torch-amp"):
         return OpenClipRunner(spec["preset"], spec["ckpt"], device, spec["seed"], fallback=arm == "torch-amp")
     raise ValueError(f"unknown arm {arm!r}")
@@ -440,7 +355,15 @@ def measure_worker(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None])
     for entry in spec["batches"]:
         batch, warmup, steps = entry["batch"], entry["warmup"], entry["steps"]
         inputs = make_inputs(batch, runner.image_size, runner.text, spec["seed"])
-        out: dict[str, Any] = {"arm": runner.name, "ckpt": spec["ckpt"], "batch": batch, "kind": entry["kind"], "params": runner.params, "description": runner.description, "checksum": input_checksum(inputs, runner.text)}
+        out: dict[str, Any] = {
+            "arm": runner.name,
+            "ckpt": spec["ckpt"],
+            "batch": batch,
+            "kind": entry["kind"],
+            "params": runner.params,
+            "description": runner.description,
+            "checksum": input_checksum(inputs, runner.text),
+        }
         inputs = {k: v.to(device) for k, v in inputs.items()}
         try:
             losses = [runner.step(inputs) for _ in range(warmup)]
@@ -459,7 +382,15 @@ def measure_worker(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None])
             emit(out)
             return
         fits = all(math.isfinite(v) for v in losses) and (device.type == "cuda" or peak <= spec["cpu_budget_mib"] * MIB)
-        out.update(fits=fits, seconds=elapsed, steps=steps, samples_per_s=batch * steps / elapsed, peak_bytes=peak, first_loss=losses[0], last_loss=losses[-1])
+        out.update(
+            fits=fits,
+            seconds=elapsed,
+            steps=steps,
+            samples_per_s=batch * steps / elapsed,
+            peak_bytes=peak,
+            first_loss=losses[0],
+            last_loss=losses[-1],
+        )
         emit(out)
         if not fits:
             return
@@ -549,16 +480,28 @@ def run_worker(spec: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
     that dies (e.g. killed for memory) without emitting a result for an entry counts that entry
     as not fitting."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_worker_env(spec["device"]), cwd=str(ROOT))
-    out = [json.loads(line[len(RESULT_TAG):]) for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout_s, env=_worker_env(spec["device"]), cwd=str(ROOT)
+    )
+    out = [json.loads(line[len(RESULT_TAG) :]) for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
     if proc.returncode != 0:
         died_oom = "out of memory" in proc.stderr.lower() or proc.returncode in (-9, 137)
         if not died_oom:
-            raise RuntimeError(f"worker for {spec['arm']} (ckpt={spec['ckpt']}) failed with code {proc.returncode}:\n{proc.stderr[-4000:]}")
+            what = f"worker for {spec['arm']} (ckpt={spec['ckpt']})"
+            raise RuntimeError(f"{what} failed with code {proc.returncode}:\n{proc.stderr[-4000:]}")
         done = {r["batch"] for r in out}
         for entry in spec["batches"]:
             if entry["batch"] not in done:
-                out.append({"arm": spec["arm"], "ckpt": spec["ckpt"], "batch": entry["batch"], "kind": entry["kind"], "fits": False, "error": "process died (out of memory)"})
+                out.append(
+                    {
+                        "arm": spec["arm"],
+                        "ckpt": spec["ckpt"],
+                        "batch": entry["batch"],
+                        "kind": entry["kind"],
+                        "fits": False,
+                        "error": "process died (out of memory)",
+                    }
+                )
                 break
     return out
 
@@ -570,12 +513,15 @@ def _loss_mode_unavailable(mode: str, device: str) -> str | None:
     if mode not in LOSS_MODES:
         return f"ClipLoss mode {mode!r} is not in recipe.loss.LOSS_MODES {sorted(LOSS_MODES)}"
     if mode == "fused":
-        from recipe import loss_kernels
+        from optim import _triton
 
-        if not loss_kernels.is_available():
-            return f"the fused loss needs Triton ({loss_kernels.unavailable_reason()})"
+        if not _triton.is_available():
+            return f"the fused loss needs Triton ({_triton.unavailable_reason()})"
         if not device.startswith("cuda"):
-            return "the fused loss runs compiled Triton kernels on CUDA only (on CPU only under TRITON_INTERPRET=1, a test mode)"
+            return (
+                "the fused loss runs compiled Triton kernels on CUDA only "
+                "(on CPU only under TRITON_INTERPRET=1, a test mode)"
+            )
     return None
 
 
@@ -601,8 +547,15 @@ def available_arms(loss_modes: list[str], baseline: bool, device: str = "cpu") -
 
 def _spec(s: BenchSettings, arm: str, ckpt: bool, batches: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "arm": arm, "ckpt": ckpt, "preset": s.preset, "device": s.device, "ds_config": s.ds_config, "seed": s.seed,
-        "threads": s.threads, "cpu_budget_mib": s.cpu_budget_mib, "batches": batches,
+        "arm": arm,
+        "ckpt": ckpt,
+        "preset": s.preset,
+        "device": s.device,
+        "ds_config": s.ds_config,
+        "seed": s.seed,
+        "threads": s.threads,
+        "cpu_budget_mib": s.cpu_budget_mib,
+        "batches": batches,
     }
 
 
@@ -623,7 +576,10 @@ def run_benchmark(s: BenchSettings, log: Callable[[str], None] = print) -> dict[
             if fit and s.max_batch > s.batch:
                 ascent.append(s.max_batch)
             batches = timed + [{"batch": b, "warmup": 1, "steps": 1, "kind": "probe"} for b in ascent]
-            log(f"{arm}, checkpointing {'on' if ckpt else 'off'}: batch {s.batch}" + (f", then probing {ascent}" if ascent else ""))
+            log(
+                f"{arm}, checkpointing {'on' if ckpt else 'off'}: batch {s.batch}"
+                + (f", then probing {ascent}" if ascent else "")
+            )
             results = run_worker(_spec(s, arm, ckpt, batches), s.timeout_s)
             main_result = next((r for r in results if r["kind"] == "timed"), None)
             if main_result is None:
@@ -631,13 +587,23 @@ def run_benchmark(s: BenchSettings, log: Callable[[str], None] = print) -> dict[
             row = dict(main_result)
             row["probes"] = {r["batch"]: r["fits"] for r in results}
             if fit:
+
                 def probe(batches: list[int], arm: str = arm, ckpt: bool = ckpt) -> dict[int, bool]:
                     log(f"  probe {arm} ckpt={ckpt}: {batches}")
-                    got = run_worker(_spec(s, arm, ckpt, [{"batch": b, "warmup": 1, "steps": 1, "kind": "probe"} for b in batches]), s.timeout_s)
+                    got = run_worker(
+                        _spec(s, arm, ckpt, [{"batch": b, "warmup": 1, "steps": 1, "kind": "probe"} for b in batches]),
+                        s.timeout_s,
+                    )
                     return {r["batch"]: r["fits"] for r in got}
 
-                search = largest_fitting(probe, s.batch, s.max_batch, s.fit_tolerance, s.fit_granularity, known=row["probes"])
-                row["largest_batch"], row["first_failing_batch"], row["fit_capped"] = search["largest"], search["first_failing"], search["capped"]
+                search = largest_fitting(
+                    probe, s.batch, s.max_batch, s.fit_tolerance, s.fit_granularity, known=row["probes"]
+                )
+                row["largest_batch"], row["first_failing_batch"], row["fit_capped"] = (
+                    search["largest"],
+                    search["first_failing"],
+                    search["capped"],
+                )
                 row["probes"] = search["probes"]
             rows.append(row)
             log(_row_line(row))
@@ -649,38 +615,25 @@ def _row_line(r: dict[str, Any]) -> str:
     if not r.get("fits", False) and "samples_per_s" not in r:
         return f"  {r['arm']} ckpt={r['ckpt']}: batch {r['batch']} does not fit ({r.get('error')})"
     fit = f", largest batch {r.get('largest_batch')}" if "largest_batch" in r else ""
-    return f"  {r['arm']} ckpt={r['ckpt']}: {r['samples_per_s']:.1f} samples/s, peak {r['peak_bytes'] / MIB:.1f} MiB{fit}"
+    return (
+        f"  {r['arm']} ckpt={r['ckpt']}: {r['samples_per_s']:.1f} samples/s, peak {r['peak_bytes'] / MIB:.1f} MiB{fit}"
+    )
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
     """Speed and memory of each recipe row relative to the baseline row with the same setting."""
     for r in rows:
-        base = next((b for b in rows if b["arm"] in ("openclip", "torch-amp") and b["ckpt"] == r["ckpt"] and "samples_per_s" in b), None)
+        base = next(
+            (
+                b
+                for b in rows
+                if b["arm"] in ("openclip", "torch-amp") and b["ckpt"] == r["ckpt"] and "samples_per_s" in b
+            ),
+            None,
+        )
         if base and "samples_per_s" in r:
             r["speedup_vs_baseline"] = r["samples_per_s"] / base["samples_per_s"]
             r["memory_vs_baseline"] = r["peak_bytes"] / base["peak_bytes"] if base["peak_bytes"] > 0 else None
-
-
-def environment(device: str) -> dict[str, Any]:
-    """Device, library versions and date."""
-    import deepspeed
-    import timm
-    import transformers
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__, "timm": timm.__version__, "transformers": transformers.__version__}
-    try:
-        import open_clip
-
-        versions["open_clip"] = open_clip.__version__
-    except ImportError:
-        versions["open_clip"] = None
-    if device.startswith("cuda"):
-        name = torch.cuda.get_device_name()
-        total = torch.cuda.get_device_properties(0).total_memory
-        dev = f"{name} ({total / GIB:.0f} GiB), CUDA {torch.version.cuda}"
-    else:
-        dev = f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible"
-    return {"device": dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "versions": versions, "platform": platform.platform()}
 
 
 def markdown_table(result: dict[str, Any]) -> str:
@@ -694,12 +647,14 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"transformers {v['transformers']}, open_clip {v['open_clip']}. Preset {s['preset']}, batch {s['batch']}, "
         f"{s['steps']} timed steps after {s['warmup']} warm-up steps, one process.",
         "",
-        f"| arm | grad ckpt | params | samples/s | {mem_name} ({unit}) | largest batch | vs baseline: speed | vs baseline: memory |",
+        f"| arm | grad ckpt | params | samples/s | {mem_name} ({unit}) | largest batch "
+        "| vs baseline: speed | vs baseline: memory |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         if "samples_per_s" not in r:
-            lines.append(f"| {r['arm']} | {'on' if r['ckpt'] else 'off'} | {r.get('params', '')} | does not fit at {r['batch']} | | | | |")
+            ckpt = "on" if r["ckpt"] else "off"
+            lines.append(f"| {r['arm']} | {ckpt} | {r.get('params', '')} | does not fit at {r['batch']} | | | | |")
             continue
         largest = r.get("largest_batch")
         if "largest_batch" not in r:
@@ -707,11 +662,14 @@ def markdown_table(result: dict[str, Any]) -> str:
         elif largest is None:
             fit = f"< {r['batch']}"
         else:
-            fit = f"≥ {largest} (cap)" if r.get("fit_capped") else f"{largest} (fails at {r.get('first_failing_batch')})"
+            fails = r.get("first_failing_batch")
+            fit = f"≥ {largest} (cap)" if r.get("fit_capped") else f"{largest} (fails at {fails})"
         speed = f"{r['speedup_vs_baseline']:.2f}×" if r.get("speedup_vs_baseline") else "—"
         mem = f"{r['memory_vs_baseline']:.2f}×" if r.get("memory_vs_baseline") else "—"
+        ckpt = "on" if r["ckpt"] else "off"
         lines.append(
-            f"| {r['arm']} | {'on' if r['ckpt'] else 'off'} | {r['params']:,} | {r['samples_per_s']:.1f} | {r['peak_bytes'] / scale:.2f} | {fit} | {speed} | {mem} |"
+            f"| {r['arm']} | {ckpt} | {r['params']:,} | {r['samples_per_s']:.1f} | {r['peak_bytes'] / scale:.2f} "
+            f"| {fit} | {speed} | {mem} |"
         )
     lines.append("")
     for r in result["rows"]:
@@ -720,22 +678,35 @@ def markdown_table(result: dict[str, Any]) -> str:
     for arm, why in result["unavailable"].items():
         lines.append(f"- `{arm}` not run: {why}")
     if s["device"] == "cpu":
-        lines.append(f"- CPU: memory is the peak resident-set growth over the process before the model was built; "
-                     f"\"fits\" means within --cpu-budget-mib {s['cpu_budget_mib']:g} MiB.")
+        lines.append(
+            f"- CPU: memory is the peak resident-set growth over the process before the model was built; "
+            f'"fits" means within --cpu-budget-mib {s["cpu_budget_mib"]:g} MiB.'
+        )
     return "\n".join(lines) + "\n"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--preset", default=None, help="recipe preset (default ViT-B-32 on CUDA, tiny on CPU)")
     ap.add_argument("--batch", type=int, default=None, help="batch of the timed steps (default 512 on CUDA, 32 on CPU)")
     ap.add_argument("--warmup", type=int, default=BenchSettings.warmup)
     ap.add_argument("--steps", type=int, default=BenchSettings.steps)
-    ap.add_argument("--ckpt", choices=("both", "off", "on"), default="both", help="gradient checkpointing settings to run")
-    ap.add_argument("--loss-modes", nargs="+", default=["plain", "fused"], help="recipe ClipLoss modes (missing ones are reported)")
+    ap.add_argument(
+        "--ckpt", choices=("both", "off", "on"), default="both", help="gradient checkpointing settings to run"
+    )
+    ap.add_argument(
+        "--loss-modes", nargs="+", default=["plain", "fused"], help="recipe ClipLoss modes (missing ones are reported)"
+    )
     ap.add_argument("--no-baseline", action="store_true", help="skip the OpenCLIP arm")
-    ap.add_argument("--fit", choices=("all", "off", "none"), default="all", help="largest-batch search: every setting, checkpointing off only, or none")
+    ap.add_argument(
+        "--fit",
+        choices=("all", "off", "none"),
+        default="all",
+        help="largest-batch search: every setting, checkpointing off only, or none",
+    )
     ap.add_argument("--max-batch", type=int, default=None)
     ap.add_argument("--fit-tolerance", type=float, default=BenchSettings.fit_tolerance)
     ap.add_argument("--fit-granularity", type=int, default=None)
@@ -755,23 +726,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         measure_worker(json.loads(args.worker), lambda r: print(RESULT_TAG + json.dumps(r), flush=True))
         return None
     s = BenchSettings(
-        device=args.device, preset=args.preset, batch=args.batch, warmup=args.warmup, steps=args.steps,
-        ckpt={"both": [False, True], "off": [False], "on": [True]}[args.ckpt], loss_modes=args.loss_modes,
-        baseline=not args.no_baseline, fit=args.fit, max_batch=args.max_batch, fit_tolerance=args.fit_tolerance,
-        fit_granularity=args.fit_granularity, cpu_budget_mib=args.cpu_budget_mib, ds_config=args.ds_config,
-        seed=args.seed, threads=args.threads, timeout_s=args.worker_timeout,
+        device=args.device,
+        preset=args.preset,
+        batch=args.batch,
+        warmup=args.warmup,
+        steps=args.steps,
+        ckpt={"both": [False, True], "off": [False], "on": [True]}[args.ckpt],
+        loss_modes=args.loss_modes,
+        baseline=not args.no_baseline,
+        fit=args.fit,
+        max_batch=args.max_batch,
+        fit_tolerance=args.fit_tolerance,
+        fit_granularity=args.fit_granularity,
+        cpu_budget_mib=args.cpu_budget_mib,
+        ds_config=args.ds_config,
+        seed=args.seed,
+        threads=args.threads,
+        timeout_s=args.worker_timeout,
     )
     try:
         result = run_benchmark(s, log=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as err:
         raise SystemExit(str(err)) from err
-    table = markdown_table(result)
-    result["markdown"] = table
-    path = Path(args.json or ROOT / "benchmarks" / "results" / f"bench_train_{'cuda' if s.device.startswith('cuda') else 'cpu'}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(table)
-    print(f"wrote {path}", file=sys.stderr)
+    write_result(
+        args.json or RESULTS / f"bench_train_{'cuda' if s.device.startswith('cuda') else 'cpu'}.json",
+        result,
+        markdown_table(result),
+    )
     return result
 
 

@@ -64,7 +64,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from optim import SRAdamW  # noqa: E402
-from recipe.data import DataConfig, build_eval_loader, load_zeroshot_prompts, read_captions  # noqa: E402
+from recipe.config import DataConfig  # noqa: E402
+from recipe.data import build_eval_loader, read_captions  # noqa: E402
 from recipe.evaluate import evaluate  # noqa: E402
 from recipe.loss import ClipLoss  # noqa: E402
 from recipe.model import create_model  # noqa: E402
@@ -72,6 +73,7 @@ from recipe.param_groups import param_groups  # noqa: E402
 from recipe.precision import DynamicLossScaler  # noqa: E402
 from recipe.synthetic import write_dataset  # noqa: E402
 from recipe.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
+from recipe.zeroshot import load_zeroshot_prompts  # noqa: E402
 
 __all__ = ["Arm", "ARMS", "ExperimentConfig", "prepare_data", "run_one", "summarize", "plot", "main"]
 
@@ -148,7 +150,8 @@ def _data_key(cfg: ExperimentConfig) -> str:
 
 
 def _decode_split(csv: Path, tokenizer: Any, image_data_config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    loader = build_eval_loader(DataConfig(path=str(csv), label_column="label", num_workers=0), tokenizer, image_data_config, 256)
+    data = DataConfig(val_data=str(csv), label_column="label", eval_workers=0)
+    loader = build_eval_loader(data, tokenizer, image_data_config, 256)
     parts: dict[str, list[torch.Tensor]] = {"pixel_values": [], "input_ids": [], "attention_mask": [], "labels": []}
     for batch in loader:
         for k in parts:
@@ -171,7 +174,7 @@ def prepare_data(cfg: ExperimentConfig) -> Path:
         return root
     raw = root / "raw"
     write_dataset(str(raw), cfg.n_train, n_val=cfg.n_val, seed=cfg.data_seed, image_size=cfg.image_size)
-    captions = list(read_captions(DataConfig(path=str(raw / "train.csv"))))
+    captions = list(read_captions(DataConfig(train_data=str(raw / "train.csv"))))
     tok = train_tokenizer(captions, cfg.vocab_size, context_length=64)
     longest = max(len(tok.encode(c)) for c in captions)
     tok.context_length = longest  # every caption fits: no truncation, no wasted positions
@@ -251,7 +254,7 @@ def _val_loss(model: torch.nn.Module, val: dict[str, torch.Tensor], batch: int, 
     total = 0.0
     for i in range(0, n, batch):
         x = [val[k][i : i + batch].to(device) for k in ("pixel_values", "input_ids", "attention_mask")]
-        total += float(loss_fn(*model(x[0].to(next(model.parameters()).dtype), x[1], x[2])))
+        total += float(loss_fn(*model(x[0].to(next(model.parameters()).dtype), x[1], x[2])).loss)
     return total / (n // batch)
 
 
@@ -281,7 +284,7 @@ def run_one(arm_name: str, lr: float, seed: int, cfg: ExperimentConfig, data_roo
             g["lr"] = _lr_at(step, cfg, lr)
         x = [train[k][idx].to(device) for k in ("pixel_values", "input_ids", "attention_mask")]
         img, txt, scale = _forward(model, cfg.compute, *x)
-        loss = loss_fn(img, txt, scale)
+        loss, _ = loss_fn(img, txt, scale)
         (loss * scaler.scale if scaler else loss).backward()
         skipped = opt.skipped_steps
         opt.step(inv_grad_scale=1.0 / scaler.scale if scaler else None)

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from .distributed import barrier, rank_world
 
 __all__ = ["CheckpointError", "save", "load", "resolve", "rng_state", "set_rng_state", "atomic_write_bytes"]
 
@@ -81,15 +82,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
@@ -106,26 +98,26 @@ def save(engine: Any, ckpt_dir: str | os.PathLike, step: int, client_state: dict
     ckpt_dir = Path(ckpt_dir)
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
-    if _rank() == 0:
+    if rank_world()[0] == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         if (tag_dir / COMPLETE).exists():  # re-saving a step: invalidate the old marker first
             (tag_dir / COMPLETE).unlink()
-    _barrier()
+    barrier()
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
     tag_dir.mkdir(parents=True, exist_ok=True)
     if engine.zero_optimization_stage() == 3:
         weights = engine._zero3_consolidated_16bit_state_dict()  # collective: every rank calls it
     else:
-        weights = engine.module.state_dict() if _rank() == 0 else None
-    if _rank() == 0:
+        weights = engine.module.state_dict() if rank_world()[0] == 0 else None
+    if rank_world()[0] == 0:
         _atomic_torch_save({k: v.detach().cpu() for k, v in weights.items()}, tag_dir / MODEL_WEIGHTS)
-    _atomic_torch_save(client_state, tag_dir / f"rank{_rank():05d}.pt")
-    _barrier()  # every rank's files are on disk
-    if _rank() == 0:
-        meta = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    _atomic_torch_save(client_state, tag_dir / f"rank{rank_world()[0]:05d}.pt")
+    barrier()  # every rank's files are on disk
+    if rank_world()[0] == 0:
+        meta = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "world_size": rank_world()[1]}
         atomic_write_bytes(tag_dir / COMPLETE, json.dumps(meta).encode())
         atomic_write_bytes(ckpt_dir / LATEST, tag.encode())
-    _barrier()
+    barrier()
     return tag_dir
 
 
@@ -169,12 +161,14 @@ def load(engine: Any, tag_dir: str | os.PathLike) -> dict[str, Any]:
     if not (tag_dir / COMPLETE).exists():
         raise CheckpointError(f"checkpoint {tag_dir} is incomplete (no {COMPLETE} marker)")
     meta = json.loads((tag_dir / COMPLETE).read_text())
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = rank_world()[1]
     if meta.get("world_size", world) != world:
         raise CheckpointError(f"checkpoint {tag_dir} was written by {meta['world_size']} ranks, this run has {world}")
-    rank_file = tag_dir / f"rank{_rank():05d}.pt"
+    rank_file = tag_dir / f"rank{rank_world()[0]:05d}.pt"
     try:
-        path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True, load_lr_scheduler_states=True)
+        path, _ = engine.load_checkpoint(
+            str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         client = torch.load(rank_file, map_location="cpu", weights_only=False)
     except CheckpointError:
         raise

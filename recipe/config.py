@@ -1,4 +1,9 @@
-"""The recipe's one typed configuration, and its command line.
+"""The recipe's one typed configuration; it generates the command line.
+
+Every leaf field of :class:`TrainConfig` is a flag (``--image-encoder``, ``--lr``, ``--workers``...)
+whose help text and default come from the field itself, so nothing is described twice. Sections
+(:class:`ModelConfig`, :class:`DataConfig`, :class:`OptimConfig`) are flattened: a leaf name is
+unique across the tree. The data loaders read :class:`DataConfig` directly.
 
 The DeepSpeed JSON (``--deepspeed_config``) owns batch size, gradient accumulation, precision,
 gradient clipping and ZeRO; this config owns everything else. Nothing is set in both: micro-batch
@@ -16,81 +21,146 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelArgs", "DataArgs", "OptimArgs", "TrainConfig", "parse_args", "build_parser", "config_from_dict"]
+__all__ = [
+    "ModelConfig",
+    "DataConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "LOSS_MODE_NAMES",
+    "SCHEDULES",
+    "build_parser",
+    "config_from_dict",
+    "parse_args",
+]
+
+#: Names of :data:`recipe.loss.LOSS_MODES` (kept here so that the config imports no torch code).
+LOSS_MODE_NAMES = ("plain", "chunked", "fused")
+SCHEDULES = ("cosine", "constant")
+
+
+def option(default: Any, help: str) -> Any:
+    """A dataclass field with its command-line help (mutable defaults are copied per instance)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
-class ModelArgs:
+class ModelConfig:
     """Model: a preset, or encoders by name (any timm image model, any transformers text model)."""
 
-    preset: str | None = "tiny"  # recipe.model.PRESETS key; encoders below override its towers
-    image_encoder: str | None = None  # timm model name
-    text_encoder: str | None = None  # built-in text config name, config JSON or local directory
-    embed_dim: int | None = None
-    image_weights: str | None = None  # local state-dict file for the image tower
-    grad_checkpointing: bool = False
-    text_master_weights: bool = False  # False: SR half weights for the text tower (CLIP paper)
-    image_master_weights: bool = True  # True: fp32 master for the image tower
+    preset: str | None = option(
+        "tiny", "model preset (ViT-B-32, tiny, tiny-resnet, tiny-convnext); the encoder flags override its towers"
+    )
+    image_encoder: str | None = option(None, "timm image model name (replaces the preset's image tower)")
+    text_encoder: str | None = option(None, "text tower: built-in config name, config JSON or local model directory")
+    embed_dim: int | None = option(None, "shared embedding width (default: the preset's)")
+    image_weights: str | None = option(None, "local state-dict file for the image tower")
+    grad_checkpointing: bool = option(False, "activation checkpointing in both towers")
+    text_master_weights: bool = option(
+        False, "keep an fp32 master for the text tower (default: SR half weights, as the CLIP paper)"
+    )
+    image_master_weights: bool = option(True, "keep an fp32 master for the image tower")
 
 
 @dataclass
-class DataArgs:
-    """Data: training and validation sets, tokenizer, zero-shot prompts."""
+class DataConfig:
+    """Data: training and validation sets, how they are read and augmented, tokenizer, prompts."""
 
-    train_data: str = "data/synthetic/train.csv"
-    val_data: str | None = None  # held-out split with labels for zero-shot and retrieval
-    data_format: str | None = None  # csv|tsv|json|parquet|imagefolder|disk|webdataset (auto)
-    image_column: str | None = None
-    caption_column: str | None = None
-    label_column: str | None = "label"  # of the validation set
-    zeroshot: str | None = None  # zeroshot.json (class names + templates); found next to val data
-    workers: int = 2
-    tokenizer: str | None = None  # local tokenizer directory; None: train a BPE on the captions
-    vocab_size: int = 2048  # of a trained tokenizer
-    context_length: int | None = None  # default: the text tower's
+    train_data: str | list[str] = option(
+        "data/synthetic/train.csv",
+        "training data: file, directory, glob, brace pattern (shards-{0000..0099}.tar) or '::'-separated list",
+    )
+    val_data: str | None = option(None, "held-out split for zero-shot classification and retrieval")
+    data_format: str | None = option(
+        None, "csv, tsv, json, parquet, imagefolder, disk (save_to_disk) or webdataset; detected when unset"
+    )
+    split: str = option("train", "split of a multi-split imagefolder/save_to_disk training directory")
+    val_split: str = option("validation", "split of a multi-split imagefolder/save_to_disk validation directory")
+    image_column: str | None = option(
+        None, "image column (paths, bytes or datasets.Image); webdataset: extension(s), ';'-separated"
+    )
+    caption_column: str | None = option(
+        None, "caption column (webdataset: extension, default txt); detected when unset"
+    )
+    label_column: str | None = option(
+        "label", "class-label column of the validation set (webdataset: e.g. cls); '' for none"
+    )
+    image_root: str | None = option(
+        None, "folder relative image paths resolve against (default: the folder of the file naming them)"
+    )
+    csv_separator: str | None = option(None, "CSV separator (sniffed from the header line when unset)")
+    workers: int = option(2, "DataLoader worker processes of the training loader (0: load in the training process)")
+    eval_workers: int = option(0, "DataLoader worker processes of the evaluation loader")
+    prefetch_factor: int = option(2, "batches prefetched per worker")
+    pin_memory: bool = option(False, "pin batches in page-locked memory (CUDA training)")
+    shuffle_buffer: int = option(1000, "shuffle buffer of streamed (webdataset) training data")
+    num_samples: int | None = option(
+        None, "samples in the webdataset training shards (counted from the tar headers when unset)"
+    )
+    train_scale: tuple[float, float] = option(
+        (0.9, 1.0), "area range of the random resized crop (OpenCLIP's CLIP recipe: 0.9 1.0)"
+    )
+    train_ratio: tuple[float, float] | None = option(
+        None, "aspect-ratio range of the random resized crop (timm's default when unset)"
+    )
+    hflip: float = option(0.0, "horizontal flip probability in training (CLIP used none)")
+    color_jitter: float | None = option(None, "colour jitter strength in training (CLIP used none)")
+    cache_dir: str | None = option(None, "datasets cache directory for converted CSV/JSON/parquet files")
+    log_bad_samples: int = option(10, "bad samples each worker logs individually per epoch (all are counted)")
+    zeroshot: str | None = option(
+        None, "zeroshot.json with class names and templates (default: found next to the validation data)"
+    )
+    tokenizer: str | None = option(
+        None, "local tokenizer directory (default: train a byte-level BPE on the training captions)"
+    )
+    vocab_size: int = option(2048, "vocabulary size of a trained tokenizer")
+    context_length: int | None = option(None, "token context length (default: the text tower's)")
 
 
 @dataclass
-class OptimArgs:
+class OptimConfig:
     """SRAdamW and the learning-rate schedule (linear warmup, then cosine or constant)."""
 
-    lr: float = 5e-4
-    weight_decay: float = 0.2
-    beta1: float = 0.9
-    beta2: float = 0.98
-    eps: float = 1e-6
-    warmup_steps: int = 50
-    schedule: str = "cosine"  # cosine | constant
-    min_lr: float = 0.0
-    sr_seed: int = 0  # seed of the stochastic rounding noise
+    lr: float = option(5e-4, "peak learning rate")
+    weight_decay: float = option(0.2, "decoupled weight decay of weights (not gains, biases or the logit scale)")
+    beta1: float = option(0.9, "Adam beta1")
+    beta2: float = option(0.98, "Adam beta2")
+    eps: float = option(1e-6, "Adam epsilon")
+    warmup_steps: int = option(50, "linear warmup steps")
+    schedule: str = option("cosine", "after warmup: cosine (to --min-lr) or constant")
+    min_lr: float = option(0.0, "final learning rate of the cosine schedule")
+    sr_seed: int = option(0, "seed of the stochastic-rounding noise")
 
 
 @dataclass
 class TrainConfig:
     """Everything a run needs besides the DeepSpeed JSON."""
 
-    model: ModelArgs = field(default_factory=ModelArgs)
-    data: DataArgs = field(default_factory=DataArgs)
-    optim: OptimArgs = field(default_factory=OptimArgs)
-    deepspeed_config: str = "ds_configs/zero2_bf16_halfmaster.json"
-    loss_mode: str = "plain"  # plain | chunked (recipe.loss.ClipLoss modes)
-    chunk_size: int = 4096
-    steps: int | None = None  # optimizer steps; or
-    epochs: float | None = None  # passes over the training data (default 1 when steps is unset)
-    eval_every: int = 0  # steps; 0: only at the end
-    save_every: int = 0  # steps; 0: only at the end
-    log_every: int = 10
-    output_dir: str = "runs/default"
-    resume: str | None = None  # latest | checkpoint directory
-    seed: int = 0
-    max_nonfinite_in_row: int = 5  # stop after this many consecutive non-finite steps
-    eval_batch_size: int = 256
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    deepspeed_config: str = option(
+        "ds_configs/zero2_bf16_halfmaster.json", "DeepSpeed JSON: batch size, accumulation, precision, clipping, ZeRO"
+    )
+    loss_mode: str = option("plain", "contrastive loss implementation: plain, chunked or fused (Triton)")
+    chunk_size: int = option(4096, "tile edge of the chunked loss (caps the fused loss's tile)")
+    steps: int | None = option(None, "optimizer steps (or give --epochs)")
+    epochs: float | None = option(None, "passes over the training data (1 when neither this nor --steps is given)")
+    eval_every: int = option(0, "evaluate every N steps (0: only at the end)")
+    save_every: int = option(0, "checkpoint every N steps (0: only at the end)")
+    log_every: int = option(10, "log training metrics every N steps")
+    output_dir: str = option("runs/default", "run directory: config, logs, tokenizer, checkpoints")
+    resume: str | None = option(None, "'latest' or a checkpoint directory to continue from")
+    seed: int = option(0, "seed of initialisation, shuffling and augmentation")
+    max_nonfinite_in_row: int = option(5, "stop after this many consecutive steps with a non-finite loss")
+    eval_batch_size: int = option(256, "per-rank batch size of evaluation")
 
     def validate(self) -> None:
-        """Raises ``ValueError`` on contradictory or out-of-range settings."""
-        if self.loss_mode not in ("plain", "chunked", "fused"):
-            raise ValueError(f"loss_mode must be plain, chunked or fused, got {self.loss_mode!r}")
-        if self.optim.schedule not in ("cosine", "constant"):
+        """Raises ``ValueError`` (or ``FileNotFoundError``) on contradictory or out-of-range settings."""
+        if self.loss_mode not in LOSS_MODE_NAMES:
+            raise ValueError(f"loss_mode must be one of {', '.join(LOSS_MODE_NAMES)}, got {self.loss_mode!r}")
+        if self.optim.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be cosine or constant, got {self.optim.schedule!r}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
@@ -101,8 +171,31 @@ class TrainConfig:
         for name in ("lr", "weight_decay", "eps", "min_lr"):
             if getattr(self.optim, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        if self.optim.warmup_steps < 0 or self.eval_every < 0 or self.save_every < 0:
-            raise ValueError("warmup_steps, eval_every and save_every must be >= 0")
+        positive = {
+            "chunk_size": self.chunk_size,
+            "log_every": self.log_every,
+            "eval_batch_size": self.eval_batch_size,
+            "max_nonfinite_in_row": self.max_nonfinite_in_row,
+            "prefetch_factor": self.data.prefetch_factor,
+            "shuffle_buffer": self.data.shuffle_buffer,
+            "vocab_size": self.data.vocab_size,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        not_negative = {
+            "warmup_steps": self.optim.warmup_steps,
+            "eval_every": self.eval_every,
+            "save_every": self.save_every,
+            "workers": self.data.workers,
+            "eval_workers": self.data.eval_workers,
+            "seed": self.seed,
+            "sr_seed": self.optim.sr_seed,
+            "log_bad_samples": self.data.log_bad_samples,
+        }
+        for name, value in not_negative.items():
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         if not Path(self.deepspeed_config).is_file():
             raise FileNotFoundError(f"DeepSpeed config not found: {self.deepspeed_config}")
         if self.model.preset is None and not (self.model.image_encoder and self.model.text_encoder):
@@ -112,67 +205,111 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+# --------------------------------------------------------------------------------------------------
+# the command line, generated from the dataclasses
+# --------------------------------------------------------------------------------------------------
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _base_type(tp: Any) -> Any:
-    """``int | None`` -> ``int``."""
+def _unwrap(tp: Any) -> tuple[Any, bool]:
+    """``int | None`` -> ``(int, True)``; the first non-None member of a union."""
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0]
-    return tp
+        return args[0], len(args) < len(typing.get_args(tp))
+    return tp, False
 
 
-def _leaf_fields(cls: type) -> list[tuple[str | None, dataclasses.Field]]:
+def _sections() -> dict[str | None, type]:
+    """``{None: TrainConfig, "model": ModelConfig, ...}``: every dataclass of the tree by its field."""
+    hints = typing.get_type_hints(TrainConfig)
+    subs = {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(hints[f.name])}
+    return {None: TrainConfig, **subs}
+
+
+def _leaves(cls: type) -> list[tuple[dataclasses.Field, Any]]:
     hints = typing.get_type_hints(cls)
-    out: list[tuple[str | None, dataclasses.Field]] = []
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            out += [(f.name, sub) for sub in dataclasses.fields(hints[f.name])]
-        else:
-            out.append((None, f))
-    return out
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if not dataclasses.is_dataclass(hints[f.name])]
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    if isinstance(value, tuple):
+        return " ".join(str(v) for v in value)
+    return "unset" if value is None else str(value)
+
+
+def _optional(tp: type) -> Any:
+    """Argument type for an optional field: the empty string means None (e.g. ``--val-data ''``)."""
+
+    def convert(text: str) -> Any:
+        return None if text == "" else tp(text)
+
+    convert.__name__ = tp.__name__  # argparse names the type in its error messages
+    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """One flag per leaf field (``--image-encoder``, ``--lr``, ...), plus ``--deepspeed_config``."""
-    ap = argparse.ArgumentParser(prog="python -m recipe.train", description="Train a CLIP model under DeepSpeed.")
-    for section, f in _leaf_fields(TrainConfig):
-        owner = {None: TrainConfig, "model": ModelArgs, "data": DataArgs, "optim": OptimArgs}[section]
-        tp = _base_type(typing.get_type_hints(owner)[f.name])
-        flags = [_flag(f.name)]
-        if f.name == "deepspeed_config":
-            flags.append("--deepspeed_config")
-        kw: dict[str, Any] = {"dest": f"{section}.{f.name}" if section else f.name, "default": None}
-        if tp is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw["type"] = tp
-        ap.add_argument(*flags, **kw)
-    ap.add_argument("--config", default=None, help="JSON file of a TrainConfig (e.g. a run's config.json); flags override it")
+    """One flag per leaf field, with the field's help text and default; plus ``--config``."""
+    ap = argparse.ArgumentParser(
+        prog="python -m recipe.train",
+        description="Train a CLIP model under DeepSpeed (see README.md, 'Training').",
+        allow_abbrev=False,  # a prefix of one flag must never silently set another
+    )
+    seen: dict[str, str] = {}
+    for section, cls in _sections().items():
+        group = ap.add_argument_group(section or "run", (cls.__doc__ or "").strip().splitlines()[0])
+        for f, hint in _leaves(cls):
+            if f.name in seen:
+                raise TypeError(
+                    f"config field {f.name!r} appears in both {seen[f.name]} and {section}: flags must be unique"
+                )
+            seen[f.name] = section or "run"
+            tp, optional = _unwrap(hint)
+            flags = [_flag(f.name)] + (["--deepspeed_config"] if f.name == "deepspeed_config" else [])
+            kw: dict[str, Any] = {
+                "dest": f"{section}.{f.name}" if section else f.name,
+                "default": argparse.SUPPRESS,  # absent flags leave --config values (and defaults) alone
+                "help": f"{f.metadata.get('help', '')} (default: {_default_text(f)})",
+            }
+            if tp is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            elif typing.get_origin(tp) is tuple:
+                elem = typing.get_args(tp)[0]
+                kw.update(nargs=len(typing.get_args(tp)), type=elem, metavar=elem.__name__.upper())
+            else:
+                kw["type"] = _optional(tp) if optional else tp
+            group.add_argument(*flags, **kw)
+    ap.add_argument(
+        "--config", default=None, help="JSON file of a TrainConfig (e.g. a run's config.json); flags override it"
+    )
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap
 
 
-def config_from_dict(data: dict[str, Any]) -> TrainConfig:
-    """Builds a :class:`TrainConfig` from a (possibly partial) nested dict; unknown keys raise."""
-    data = dict(data)
-    subs = {"model": ModelArgs, "data": DataArgs, "optim": OptimArgs}
-    kwargs: dict[str, Any] = {}
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    bad = sorted(set(data) - names)
+    if bad:
+        raise ValueError(f"unknown config keys {where}{bad}")
+    kwargs = {}
     for key, value in data.items():
-        if key not in names:
-            raise ValueError(f"unknown config key {key!r}")
-        if key in subs:
-            sub_names = {f.name for f in dataclasses.fields(subs[key])}
-            bad = set(value) - sub_names
-            if bad:
-                raise ValueError(f"unknown config keys in {key}: {sorted(bad)}")
-            kwargs[key] = subs[key](**value)
+        tp, _ = _unwrap(hints[key])
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, dict(value), f"in {key}: ")
+        elif typing.get_origin(tp) is tuple and isinstance(value, list):
+            kwargs[key] = tuple(value)  # JSON has no tuples
         else:
             kwargs[key] = value
-    return TrainConfig(**kwargs)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    """Builds a :class:`TrainConfig` from a (possibly partial) nested dict; unknown keys raise."""
+    return _build(TrainConfig, dict(data), "")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -181,13 +318,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     base = config_from_dict(json.loads(Path(args.config).read_text())) if args.config else TrainConfig()
     data = base.to_dict()
     for dest, value in vars(args).items():
-        if value is None or dest in ("config", "local_rank"):
+        if dest in ("config", "local_rank"):
             continue
-        if "." in dest:
-            section, name = dest.split(".")
-            data[section][name] = value
-        else:
-            data[dest] = value
+        section, _, name = dest.rpartition(".")
+        (data[section] if section else data)[name] = tuple(value) if isinstance(value, list) else value
     cfg = config_from_dict(data)
     cfg.validate()
     return cfg

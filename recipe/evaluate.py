@@ -10,6 +10,7 @@ under every ZeRO stage; standalone::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -19,7 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .data import DataConfig, ZeroShotPrompts, build_eval_loader, find_zeroshot_file, load_zeroshot_prompts
+from .config import DataConfig
+from .data import build_eval_loader
+from .zeroshot import ZeroShotPrompts, find_zeroshot_file, load_zeroshot_prompts
 
 __all__ = ["zero_shot_classifier", "zero_shot_accuracy", "retrieval_recall", "embed_split", "evaluate", "main"]
 
@@ -45,7 +48,9 @@ def zero_shot_classifier(model: Any, prompts: ZeroShotPrompts, tokenize: Any) ->
     return torch.stack(rows)
 
 
-def zero_shot_accuracy(image_features: torch.Tensor, labels: torch.Tensor, classifier: torch.Tensor) -> dict[str, float]:
+def zero_shot_accuracy(
+    image_features: torch.Tensor, labels: torch.Tensor, classifier: torch.Tensor
+) -> dict[str, float]:
     """Top-1 and top-5 accuracy of ``argmax(image_features @ classifier.T)``."""
     logits = image_features.float() @ classifier.float().T
     k = min(5, classifier.shape[0])
@@ -54,7 +59,9 @@ def zero_shot_accuracy(image_features: torch.Tensor, labels: torch.Tensor, class
     return {"zeroshot_top1": hit[:, 0].float().mean().item(), "zeroshot_top5": hit.any(1).float().mean().item()}
 
 
-def retrieval_recall(image_features: torch.Tensor, text_features: torch.Tensor, ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
+def retrieval_recall(
+    image_features: torch.Tensor, text_features: torch.Tensor, ks: tuple[int, ...] = (1, 5, 10)
+) -> dict[str, float]:
     """Recall@k of image->text and text->image retrieval where pair ``i`` is (image i, text i)."""
     sim = image_features.float() @ text_features.float().T
     n = sim.shape[0]
@@ -114,20 +121,10 @@ def evaluate(model: Any, loader: Any, tokenize: Any, prompts: ZeroShotPrompts | 
     return metrics
 
 
-def eval_data_config(cfg: Any, val_data: str) -> DataConfig:
-    """The validation :class:`DataConfig` of a :class:`recipe.config.TrainConfig`."""
-    return DataConfig(
-        path=val_data,
-        format=cfg.data.data_format,
-        image_column=cfg.data.image_column,
-        caption_column=cfg.data.caption_column,
-        label_column=cfg.data.label_column,
-        num_workers=0,
-    )
-
-
-def load_prompts(cfg: Any, val_data: str) -> ZeroShotPrompts | None:
-    path = cfg.data.zeroshot or find_zeroshot_file(val_data)
+def load_prompts(data: DataConfig) -> ZeroShotPrompts | None:
+    """The zero-shot prompts of the validation data: ``data.zeroshot`` or a ``zeroshot.json`` found
+    next to it; None when there is none (retrieval only)."""
+    path = data.zeroshot or find_zeroshot_file(data.val_data)
     return load_zeroshot_prompts(path) if path else None
 
 
@@ -138,8 +135,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from .model import CLIPConfig, create_model
     from .tokenizer import load_tokenizer
 
-    ap = argparse.ArgumentParser(prog="python -m recipe.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/ directory, or one tag directory")
+    ap = argparse.ArgumentParser(
+        prog="python -m recipe.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--checkpoint", required=True, help="run directory, its checkpoints/ directory, or one tag directory"
+    )
     ap.add_argument("--val-data", default=None, help="held-out split (default: the run's)")
     ap.add_argument("--batch-size", type=int, default=256)
     args = ap.parse_args(argv)
@@ -147,18 +148,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     tag_dir = checkpoint.resolve(str(path), path / "checkpoints")
     run_dir = tag_dir.parent.parent
     cfg = config_from_dict(json.loads((run_dir / "config.json").read_text()))
-    val = args.val_data or cfg.data.val_data
-    if not val:
+    data = dataclasses.replace(cfg.data, val_data=args.val_data or cfg.data.val_data)
+    if not data.val_data:
         raise SystemExit("no validation data: pass --val-data")
     tokenizer = load_tokenizer(run_dir / "tokenizer")
-    model = create_model(config=CLIPConfig.from_dict(json.loads((run_dir / "model_config.json").read_text())), tokenizer=tokenizer, text_load_weights=False)
+    model = create_model(
+        config=CLIPConfig.from_dict(json.loads((run_dir / "model_config.json").read_text())),
+        tokenizer=tokenizer,
+        text_load_weights=False,
+    )
     state = torch.load(tag_dir / checkpoint.MODEL_WEIGHTS, map_location="cpu", weights_only=True)
     model.to(state["logit_scale"].dtype)  # evaluate in the precision the run trained in
     model.load_state_dict(state)
-    loader = build_eval_loader(eval_data_config(cfg, val), tokenizer, model.image_data_config(), args.batch_size)
-    metrics = evaluate(model, loader, tokenizer, load_prompts(cfg, val))
+    loader = build_eval_loader(data, tokenizer, model.image_data_config(), args.batch_size)
+    metrics = evaluate(model, loader, tokenizer, load_prompts(data))
     metrics["step"] = json.loads((tag_dir / checkpoint.COMPLETE).read_text())["step"]
-    print(json.dumps({k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v) for k, v in metrics.items()}))
+    print(
+        json.dumps({k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v) for k, v in metrics.items()})
+    )
     return metrics
 
 

@@ -32,7 +32,9 @@ def _group_tensors(optimizer: torch.optim.Optimizer, zero_optimizer: Any) -> lis
     return out
 
 
-def live_bytes_per_param(module: torch.nn.Module, optimizer: torch.optim.Optimizer, zero_optimizer: Any = None) -> dict[str, Any]:
+def live_bytes_per_param(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, zero_optimizer: Any = None
+) -> dict[str, Any]:
     """This rank's bytes per model parameter.
 
     Args:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -226,37 +227,21 @@ def _tiny() -> CLIPConfig:
     )
 
 
-def _tiny_resnet() -> CLIPConfig:
-    return CLIPConfig(
-        image=ImageTowerConfig(
-            "resnet18",
-            image_size=32,
-            crop_pct=1.0,
-            timm_kwargs=dict(layers=(1, 1, 1, 1), channels=(16, 32, 64, 128), stem_width=16),
-        ),
-        text=TextTowerConfig("bert-tiny"),
-        embed_dim=64,
-    )
-
-
-def _tiny_convnext() -> CLIPConfig:
-    return CLIPConfig(
-        image=ImageTowerConfig(
-            "convnext_atto",
-            image_size=32,
-            crop_pct=1.0,
-            timm_kwargs=dict(depths=(1, 1, 1, 1), dims=(16, 32, 64, 128)),
-        ),
-        text=TextTowerConfig("roberta-tiny"),
-        embed_dim=64,
-    )
+def _tiny_cnn(image: str, text: str, **timm_kwargs: Any) -> CLIPConfig:
+    """A CPU-sized preset with a 32-pixel CNN image tower (four one-block stages)."""
+    image_cfg = ImageTowerConfig(image, image_size=32, crop_pct=1.0, timm_kwargs=timm_kwargs)
+    return CLIPConfig(image=image_cfg, text=TextTowerConfig(text), embed_dim=64)
 
 
 PRESETS: dict[str, Callable[[], CLIPConfig]] = {
     "ViT-B-32": _vit_b_32,
     "tiny": _tiny,
-    "tiny-resnet": _tiny_resnet,
-    "tiny-convnext": _tiny_convnext,
+    "tiny-resnet": functools.partial(
+        _tiny_cnn, "resnet18", "bert-tiny", layers=(1, 1, 1, 1), channels=(16, 32, 64, 128), stem_width=16
+    ),
+    "tiny-convnext": functools.partial(
+        _tiny_cnn, "convnext_atto", "roberta-tiny", depths=(1, 1, 1, 1), dims=(16, 32, 64, 128)
+    ),
 }
 """Preset name -> function returning a fresh :class:`CLIPConfig`.
 

@@ -149,7 +149,8 @@ def _polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> list[t
         return [(cx + s * r * math.cos(a), cy + s * r * math.sin(a)) for a, s in zip(corners, scale)]
     if shape == "cross":
         w = 0.36 * r
-        outline = [(w, r), (w, w), (r, w), (r, -w), (w, -w), (w, -r), (-w, -r), (-w, -w), (-r, -w), (-r, w), (-w, w), (-w, r)]
+        outline = [(w, r), (w, w), (r, w), (r, -w), (w, -w), (w, -r),
+                   (-w, -r), (-w, -w), (-r, -w), (-r, w), (-w, w), (-w, r)]
         ca, sa = math.cos(angle), math.sin(angle)
         return [(cx + x * ca - y * sa, cy + x * sa + y * ca) for x, y in outline]
     raise ValueError(f"unknown shape {shape!r}; known: {SHAPES}")
@@ -236,7 +237,8 @@ def write_split(
                 with open(os.path.join(out, rel), "wb") as f:
                     f.write(data)
                 writer.writerow([rel, spec.caption, spec.label])
-                meta = {"label": spec.label, "colour": spec.colour, "shape": spec.shape, "position": spec.position, "size": spec.size}
+                meta = {"label": spec.label, "colour": spec.colour, "shape": spec.shape, "position": spec.position,
+                        "size": spec.size}
                 _add_tar_member(tf, f"{key}.{ext}", data)
                 _add_tar_member(tf, f"{key}.txt", spec.caption.encode("utf-8"))
                 _add_tar_member(tf, f"{key}.cls", str(spec.label).encode("ascii"))
@@ -290,9 +292,11 @@ def write_dataset(
     num_classes = len(colours) * len(shapes)
     n_val = max(n // 5, num_classes) if n_val is None else n_val
     if n < 1 or n_val < 1 or image_size < 8 or shard_size < 1:
-        raise ValueError(f"need n >= 1, n_val >= 1, image_size >= 8, shard_size >= 1 (got {n}, {n_val}, {image_size}, {shard_size})")
+        got = f"got {n}, {n_val}, {image_size}, {shard_size}"
+        raise ValueError(f"need n >= 1, n_val >= 1, image_size >= 8, shard_size >= 1 ({got})")
     os.makedirs(out, exist_ok=True)
-    kwargs = dict(seed=seed, image_size=image_size, colours=colours, shapes=shapes, image_format=image_format, shard_size=shard_size)
+    kwargs = dict(seed=seed, image_size=image_size, colours=colours, shapes=shapes, image_format=image_format,
+                  shard_size=shard_size)
     write_split(out, "train", n, **kwargs)
     write_split(out, "val", n_val, **kwargs)
     with open(os.path.join(out, ZEROSHOT_FILENAME), "w", encoding="utf-8") as f:
@@ -311,8 +315,12 @@ def write_dataset(
         "positions": list(POSITIONS),
         "sizes": list(SIZES),
         "backgrounds": list(BACKGROUNDS),
-        "csv": {"train": "train.csv", "val": "val.csv", "separator": "\t", "image_column": "filepath", "caption_column": "title", "label_column": "label"},
-        "webdataset": {"train": f"wds/train/{{00000..{(n - 1) // shard_size:05d}}}.tar", "val": f"wds/val/{{00000..{(n_val - 1) // shard_size:05d}}}.tar", "image_column": "png" if image_format == "png" else "jpg", "caption_column": "txt", "label_column": "cls"},
+        "csv": {"train": "train.csv", "val": "val.csv", "separator": "\t", "image_column": "filepath",
+                "caption_column": "title", "label_column": "label"},
+        "webdataset": {"train": f"wds/train/{{00000..{(n - 1) // shard_size:05d}}}.tar",
+                       "val": f"wds/val/{{00000..{(n_val - 1) // shard_size:05d}}}.tar",
+                       "image_column": "png" if image_format == "png" else "jpg", "caption_column": "txt",
+                       "label_column": "cls"},
     }
     with open(os.path.join(out, "info.json"), "w", encoding="utf-8") as f:
         json.dump(info, f, indent=1)
@@ -324,10 +332,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m recipe.synthetic", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--n", type=int, required=True, help="training samples")
-    parser.add_argument("--n-val", type=int, default=None, help="validation samples (default: n // 5, at least one per class)")
+    parser.add_argument("--n-val", type=int, default=None,
+                        help="validation samples (default: n // 5, at least one per class)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--colours", default=",".join(DEFAULT_COLOURS), help=f"comma-separated, from {','.join(PALETTE)}")
+    parser.add_argument("--colours", default=",".join(DEFAULT_COLOURS),
+                        help=f"comma-separated, from {','.join(PALETTE)}")
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"comma-separated, from {','.join(SHAPES)}")
     parser.add_argument("--image-format", choices=("png", "jpg"), default="png")
     parser.add_argument("--shard-size", type=int, default=1000, help="samples per webdataset shard")

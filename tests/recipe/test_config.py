@@ -12,9 +12,9 @@ import torch
 
 from recipe.config import TrainConfig, build_parser, config_from_dict, parse_args
 from recipe.precision import ConfigError, DynamicLossScaler, resolve_precision
-from recipe.train import lr_at
+from recipe.optimizer import lr_at
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DS = str(ROOT / "ds_configs" / "zero2_bf16_halfmaster.json")
 
 
@@ -46,12 +46,55 @@ def test_deepspeed_json_owns_batch_precision_and_zero() -> None:
         assert owned not in words, owned
 
 
+def test_every_option_is_documented_with_its_default() -> None:
+    parser = build_parser()
+    leaves = {k for section in TrainConfig().to_dict().values() if isinstance(section, dict) for k in section}
+    leaves |= {k for k, v in TrainConfig().to_dict().items() if not isinstance(v, dict)}
+    documented = {}
+    for action in parser._actions:
+        if action.help and action.help != "==SUPPRESS==" and action.option_strings[0] not in ("-h", "--config"):
+            documented[action.option_strings[0][2:].replace("-", "_")] = action.help
+    assert set(documented) == leaves  # every config field is a flag, and nothing else is
+    for name, text in documented.items():
+        assert "(default: " in text and len(text) > len("(default: x)") + 10, (name, text)
+    assert "(default: 0.0005)" in documented["lr"] and "(default: 0.9 1.0)" in documented["train_scale"]
+    assert "(default: unset)" in documented["val_data"]
+    help_text = parser.format_help()
+    assert "--eval-workers" in help_text and "--shuffle-buffer" in help_text
+
+
+def test_data_options_reach_the_one_data_config() -> None:
+    cfg = parse_args(["--deepspeed_config", DS, "--train-scale", "0.5", "1.0", "--hflip", "0.5", "--workers", "0",
+                      "--eval-workers", "3", "--val-split", "test", "--label-column", "", "--csv-separator", ";"])
+    d = cfg.data
+    assert (d.train_scale, d.hflip, d.workers, d.eval_workers, d.val_split) == ((0.5, 1.0), 0.5, 0, 3, "test")
+    assert d.label_column is None and d.csv_separator == ";"  # '' unsets an optional field
+
+
+def test_prefixes_of_flags_are_not_taken_for_the_flag() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--deepspeed_config", DS, "--loss", "chunked"])  # not --loss-mode
+    with pytest.raises(SystemExit):
+        parse_args(["--deepspeed_config", DS, "--warmup", "3"])  # not --warmup-steps
+
+
+def test_config_names_the_loss_modes_that_exist() -> None:
+    from recipe.config import LOSS_MODE_NAMES
+    from recipe.loss import LOSS_MODES
+
+    assert tuple(LOSS_MODES) == LOSS_MODE_NAMES
+
+
 def test_config_file_round_trip_and_flag_override(tmp_path: Path) -> None:
     cfg = parse_args(["--deepspeed_config", DS, "--lr", "1e-4"])
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg.to_dict()))
     again = parse_args(["--config", str(path), "--steps", "9"])
-    assert again.optim.lr == 1e-4 and again.steps == 9 and again.model == cfg.model
+    assert again.optim.lr == 1e-4 and again.steps == 9 and again.model == cfg.model and again.data == cfg.data
+    path.write_text(json.dumps({**cfg.to_dict(), "resume": "latest"}))
+    assert parse_args(["--config", str(path)]).resume == "latest"
+    unset = parse_args(["--config", str(path), "--resume", ""])  # an explicit '' overrides the file too
+    assert unset.resume is None
 
 
 @pytest.mark.parametrize(
@@ -62,6 +105,8 @@ def test_config_file_round_trip_and_flag_override(tmp_path: Path) -> None:
         (["--loss-mode", "dense"], "loss_mode"),
         (["--schedule", "step"], "schedule"),
         (["--lr", "-1"], "lr"),
+        (["--workers", "-1"], "workers"),
+        (["--chunk-size", "0"], "chunk_size"),
         (["--deepspeed_config", "missing.json"], "DeepSpeed config"),
         (["--preset", "", "--image-encoder", "vit_tiny_patch16_224"], "text_encoder"),
     ],
@@ -139,7 +184,7 @@ def test_dynamic_loss_scaler_follows_deepspeed_semantics() -> None:
 
 
 def test_skipped_steps_are_classified_and_the_guard_stops() -> None:
-    from recipe.train import TrainState, record_skip
+    from recipe.step import TrainState, record_skip
 
     p16, _ = resolve_precision(load("zero0_fp16_sr_lossscale.json"))
     state = TrainState()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_memory  # noqa: E402
@@ -209,7 +209,8 @@ def test_bench_memory_on_one_gpu() -> None:
 
 def test_bench_memory_table_lists_every_mode(memory_rows: list[list[dict]]) -> None:
     rows = bench_memory.summarize(memory_rows)
-    table = bench_memory.markdown_table(rows, {"device": "cpu", "torch": torch.__version__, "deepspeed": "x", "date": "today"})
+    env = {"device": "cpu", "versions": {"torch": torch.__version__, "deepspeed": "x"}, "date": "today"}
+    table = bench_memory.markdown_table(rows, env)
     for r in rows:
         assert f"| {bench_memory.MODES[r['mode']].label} |" in table
         assert f"**{r['total']:.2f}**" in table
@@ -251,7 +252,7 @@ def _adamw_reference_losses(result: dict, data_dir: Path) -> list[float]:
         for g in opt.param_groups:
             g["lr"] = s["lrs"][0] * min(1.0, (step + 1) / s["warmup_steps"])
         idx = perm[step * b : (step + 1) * b]
-        loss = ClipLoss()(*model(train["pixel_values"][idx], train["input_ids"][idx], train["attention_mask"][idx]))
+        loss, _ = ClipLoss()(*model(train["pixel_values"][idx], train["input_ids"][idx], train["attention_mask"][idx]))
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -13,9 +13,9 @@ import torch
 
 from recipe.synthetic import write_dataset
 
-from .dist_utils import run_distributed
+from ..dist_utils import run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -26,9 +26,10 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def ds_json(tmp: Path, name: str, micro: int = 16) -> str:
+def ds_json(tmp: Path, name: str, micro: int = 16, accumulation: int = 1) -> str:
     cfg = json.loads((ROOT / "ds_configs" / name).read_text())
     cfg["train_micro_batch_size_per_gpu"] = micro
+    cfg["gradient_accumulation_steps"] = accumulation
     if "fp16" in cfg:  # start near the scale this tiny model needs instead of halving from 2**16
         cfg["fp16"]["initial_scale_power"] = 8
     path = tmp / name
@@ -63,6 +64,7 @@ def losses_of(run_dir: str | Path) -> dict[int, float]:
 def _train_worker(rank: int, world: int, cfgs: list[dict], fail: str | None) -> list:
     import recipe.train as T
     from recipe.config import config_from_dict
+    from recipe.loss import LossResult
 
     if fail is not None:  # the non-finite guard: a loss that is NaN on some steps
         base = T.ClipLoss
@@ -71,10 +73,10 @@ def _train_worker(rank: int, world: int, cfgs: list[dict], fail: str | None) -> 
             calls = 0
 
             def forward(self, *a, **k):
-                loss = super().forward(*a, **k)
+                loss, metrics = super().forward(*a, **k)
                 Flaky.calls += 1
                 bad = fail == "always" or (fail == "steps3-4" and Flaky.calls in (3, 4) and rank == 1)
-                return loss * float("nan") if bad else loss
+                return LossResult(loss * float("nan") if bad else loss, metrics)
 
         T.ClipLoss = Flaky
     out = []
@@ -165,3 +167,19 @@ def test_nonfinite_guard_skips_counts_and_stops(data: Path, tmp_path: Path) -> N
     stop = train_cfg(data, tmp_path / "stop", ds, steps=6, max_nonfinite_in_row=3)
     results = run([stop], fail="always")
     assert "3 non-finite steps in a row" in results[0][0]["error"]
+
+
+def test_gradient_accumulation_updates_at_every_optimizer_step(data: Path, tmp_path: Path) -> None:
+    """With accumulation k, DeepSpeed counts one micro-step per ``engine.step()``: the train step
+    must step the engine after every backward, so that the update lands at each k-th micro-batch."""
+    ds = ds_json(tmp_path, "zero2_bf16_halfmaster.json", micro=8, accumulation=2)
+    cfg = train_cfg(data, tmp_path / "accum", ds, steps=3, optim={"warmup_steps": 0})
+    final = run([cfg])[0][0]
+    rows = [json.loads(x) for x in (tmp_path / "accum" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3] and final["steps"] == 3
+    init = math.exp(math.log(1 / 0.07))
+    scales = [r["logit_scale"] for r in train]
+    assert scales[0] != pytest.approx(init, rel=1e-6), scales  # the first optimizer step updated the model
+    # DeepSpeed computes the gradient norm only at an accumulation boundary: one per optimizer step
+    assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in train), train

@@ -1,4 +1,4 @@
-"""Fused tiled contrastive-loss Triton kernels: the ``"fused"`` mode of :class:`recipe.loss.ClipLoss`.
+"""The ``"fused"`` mode of :class:`recipe.loss.ClipLoss`: tiled Triton kernels, host side.
 
 The similarity matrix is streamed through the GPU in ``block_m x block_n`` tiles and never stored:
 the forward keeps, per row (and per column), a running maximum, a running ``sum exp(logit - max)``,
@@ -26,7 +26,7 @@ Which blocks are computed
   all texts) and columns ``r`` (its texts against all images, i.e. ``Y_r XA^T``); these are different
   ``M x B`` blocks, so each direction is one row-statistics pass over its own block (local rows
   against the gathered side, target column ``offset + i``) and the gathered side's gradient goes
-  through the reduce-scatter backward of :func:`recipe.loss.all_gather_with_grad`. Sharing one block
+  through the reduce-scatter backward of :func:`recipe.loss.gather.all_gather_with_grad`. Sharing one block
   across ranks would need every rank's partial statistics of every row (an extra collective in the
   forward and a cross-rank backward) for a 2x saving; it is not done. Work per rank: ``16 M B D``.
 
@@ -52,15 +52,11 @@ zero (as in the chunked mode).
 
 Running the kernels
 -------------------
-Compiled kernels run on CUDA tensors. Under ``TRITON_INTERPRET=1`` (read when kernels are
-decorated, i.e. when this module is imported) they run in Triton's numpy interpreter on CPU tensors:
-that is how the tests check them without a GPU; it is slow and meant for tests only. This module
-imports Triton; :mod:`recipe.loss` imports it lazily, the first time the fused mode is used. On a
-machine without a CUDA device, importing this module sets ``TRITON_INTERPRET=1`` when it is unset
-(compiled Triton cannot run anything there, so the interpreter is the only way the kernels can
-run). The kernels call only Triton builtins, so they also run interpreted in a process that
-imported Triton before the variable was set (``torch._dynamo``, imported by torchvision and timm,
-imports Triton), where Triton's own library functions stay compiled.
+The kernels (:mod:`recipe.loss.fused_kernels`) get Triton through :mod:`optim._triton`, the one
+policy for the optimizer's and the loss's kernels: compiled kernels run on CUDA tensors; under
+``TRITON_INTERPRET=1`` (set automatically on a machine without a CUDA device) they run in Triton's
+numpy interpreter on CPU tensors, which is how the tests check them without a GPU (slow; tests
+only). :mod:`recipe.loss` imports this module on the first fused call, never before.
 """
 
 from __future__ import annotations
@@ -68,23 +64,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import torch
 from torch import Tensor
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # see the module docstring, "Running the kernels"
+from optim import _triton
 
-try:  # the only place Triton is imported for the loss
-    import triton
-    import triton.language as tl
-
-    _IMPORT_ERROR: Exception | None = None
-except Exception as exc:  # ImportError, or a broken install
-    triton = None
-    tl = None
-    _IMPORT_ERROR = exc
+from .base import GatheredBatch, ModeOutput, with_bias
+from .fused_kernels import bwd_kernel, fwd_kernel
+from .matmul import addmm_f32_, mm_f32
 
 __all__ = [
     "FusedConfig",
@@ -93,28 +81,12 @@ __all__ = [
     "fused_mode",
     "fused_symmetric_cross_entropy",
     "interpreting",
-    "is_available",
-    "unavailable_reason",
 ]
 
 
-def is_available() -> bool:
-    """Whether Triton imported (the kernels can be built)."""
-    return triton is not None
-
-
-def unavailable_reason() -> str:
-    """Why Triton is not usable ("" when it is)."""
-    return "" if _IMPORT_ERROR is None else f"{type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}"
-
-
 def interpreting() -> bool:
-    """Whether the kernels were decorated under ``TRITON_INTERPRET=1`` (they then run on CPU tensors)."""
-    if triton is None:
-        return False
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_fwd_kernel, InterpretedFunction)
+    """Whether the kernels run in Triton's interpreter (on CPU tensors) in this process."""
+    return _triton.interpreting(fwd_kernel)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -202,214 +174,13 @@ def default_config(dtype: torch.dtype, dim: int, chunk_size: int | None = None) 
 
 
 # --------------------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------------------
-if triton is not None:
-    # The kernels call only Triton builtins, never Triton's own @jit library functions (tl.max,
-    # tl.sum, tl.zeros, tl.cdiv): those are decorated when Triton is imported, compiled or
-    # interpreted, and a process that imported Triton before TRITON_INTERPRET=1 was set (torch's
-    # dynamo imports it) would mix the two. Reductions go through the builtin tl.reduce with the
-    # library's combine functions, which the interpreter recognises and runs as numpy reductions.
-    _MAX = getattr(tl.standard, "_elementwise_max", None)
-    _SUM = getattr(tl.standard, "_sum_combine", None)
-    if _MAX is None or _SUM is None:  # pragma: no cover - other Triton versions (slow interpreter path)
-
-        @triton.jit
-        def _MAX(a, b):
-            return tl.maximum(a, b)
-
-        @triton.jit
-        def _SUM(a, b):
-            return a + b
-
-    @triton.jit
-    def _expm1(x):
-        """``exp(x) - 1`` without cancellation (|x| < 0.5: Taylor to x^8, error < 2e-8 relative)."""
-        poly = x * (1.0 + x * (0.5 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (
-            1.0 / 720 + x * (1.0 / 5040 + x * (1.0 / 40320))))))))
-        return tl.where(tl.abs(x) < 0.5, poly, tl.exp(x) - 1.0)
-
-    @triton.jit
-    def _dot_tile(a_ptrs, b_ptrs, row_ok, col_ok, D,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-        """fp32 ``a_tile @ b_tile^T`` over the whole feature dimension, K step ``BK``."""
-        offs_k = tl.arange(0, BK)
-        acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
-        for k in range(0, D, BK):
-            if EVEN_K:
-                a = tl.load(a_ptrs + k, mask=row_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs + k, mask=col_ok[:, None], other=0.0)
-            else:
-                k_ok = (k + offs_k) < D
-                a = tl.load(a_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if UPCAST:  # the interpreter multiplies 16-bit operands as raw bits: give it fp32
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
-        return acc
-
-    @triton.jit
-    def _fwd_kernel(
-        a_ptr, b_ptr, scale_ptr,
-        row_m_ptr, row_l_ptr, row_mb_ptr, pos_ptr,
-        col_m_ptr, col_l_ptr, col_mb_ptr,
-        M, N, D, stride_a, stride_b, offset, P_R, P_C,
-        COL_STATS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    ):
-        """Online row (and column) log-sum-exp statistics of ``scale * a @ b^T``.
-
-        Program ``(pr, pc)``: row tiles ``pr, pr + P_R, ...``; the ``pc``-th of ``P_C`` near-equal
-        contiguous ranges of column tiles. Per row, over its column range, it
-        writes to row ``pc`` of the row buffers the running max, ``sum exp(logit - max)`` and the
-        max over the columns *before* the row's target (``offset + row``); it stores the positive
-        logit of the rows whose target it meets. With ``COL_STATS`` it merges the same statistics
-        per column over its row tiles (the "before" max over rows above the diagonal) into row
-        ``pr`` of the column buffers (initialised to ``-inf``, 0, ``-inf`` by the host).
-        The arg-max of a row is its target exactly when ``positive == max > max before target``
-        (``torch.argmax`` returns the first maximum), which needs no index bookkeeping per element.
-        """
-        pr = tl.program_id(0)
-        pc = tl.program_id(1)
-        n_row_tiles = (M + BM - 1) // BM
-        n_col_tiles = (N + BN - 1) // BN
-        ct_lo = pc * n_col_tiles // P_C
-        ct_hi = (pc + 1) * n_col_tiles // P_C
-        scale = tl.load(scale_ptr)
-        offs_m = tl.arange(0, BM)
-        offs_n = tl.arange(0, BN)
-        offs_k = tl.arange(0, BK)
-        for rt in range(pr, n_row_tiles, P_R):
-            rows = rt * BM + offs_m
-            row_ok = rows < M
-            targets = rows + offset
-            first_target = rt * BM + offset
-            a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
-            run_m = tl.full((BM,), float("-inf"), dtype=tl.float32)
-            run_l = tl.full((BM,), 0.0, dtype=tl.float32)
-            run_mb = tl.full((BM,), float("-inf"), dtype=tl.float32)
-            for ct in range(ct_lo, ct_hi):
-                cols = ct * BN + offs_n
-                col_ok = cols < N
-                b_ptrs = b_ptr + cols.to(tl.int64)[:, None] * stride_b + offs_k[None, :]
-                dots = _dot_tile(a_ptrs, b_ptrs, row_ok, col_ok, D, BM, BN, BK, EVEN_K, UPCAST, PRECISION)
-                logits = dots * scale
-                # rows: padding columns are -inf
-                s_r = tl.where(col_ok[None, :], logits, float("-inf"))
-                t_m = tl.reduce(s_r, 1, _MAX)
-                new_m = tl.maximum(run_m, t_m)
-                run_l = run_l * tl.exp(run_m - new_m) + tl.reduce(tl.exp(s_r - new_m[:, None]), 1, _SUM)
-                run_m = new_m
-                if ct * BN + BN <= first_target:  # every column precedes every target of the tile
-                    run_mb = tl.maximum(run_mb, t_m)
-                elif ct * BN < first_target + BM:  # the tile meets the targets of some rows
-                    before = tl.where(cols[None, :] < targets[:, None], s_r, float("-inf"))
-                    run_mb = tl.maximum(run_mb, tl.reduce(before, 1, _MAX))
-                    hit = cols[None, :] == targets[:, None]
-                    pos = tl.reduce(tl.where(hit, logits, 0.0), 1, _SUM)
-                    mine = row_ok & (targets >= ct * BN) & (targets < ct * BN + BN)
-                    tl.store(pos_ptr + rows, pos, mask=mine)
-                if COL_STATS:  # columns: padding rows are -inf; square block, offset 0
-                    s_c = tl.where(row_ok[:, None], logits, float("-inf"))
-                    c_m = tl.reduce(s_c, 0, _MAX)
-                    c_off = pr.to(tl.int64) * N + cols
-                    old_m = tl.load(col_m_ptr + c_off, mask=col_ok, other=0.0)
-                    old_l = tl.load(col_l_ptr + c_off, mask=col_ok, other=0.0)
-                    new_cm = tl.maximum(old_m, c_m)
-                    new_l = old_l * tl.exp(old_m - new_cm) + tl.reduce(tl.exp(s_c - new_cm[None, :]), 0, _SUM)
-                    tl.store(col_m_ptr + c_off, new_cm, mask=col_ok)
-                    tl.store(col_l_ptr + c_off, new_l, mask=col_ok)
-                    if rt * BM + BM <= ct * BN:  # every row precedes every column's target row
-                        old_mb = tl.load(col_mb_ptr + c_off, mask=col_ok, other=0.0)
-                        tl.store(col_mb_ptr + c_off, tl.maximum(old_mb, c_m), mask=col_ok)
-                    elif rt * BM < ct * BN + BN:
-                        old_mb = tl.load(col_mb_ptr + c_off, mask=col_ok, other=0.0)
-                        above = tl.reduce(tl.where(rows[:, None] < cols[None, :], s_c, float("-inf")), 0, _MAX)
-                        tl.store(col_mb_ptr + c_off, tl.maximum(old_mb, above), mask=col_ok)
-            r_off = pc.to(tl.int64) * M + rows
-            tl.store(row_m_ptr + r_off, run_m, mask=row_ok)
-            tl.store(row_l_ptr + r_off, run_l, mask=row_ok)
-            tl.store(row_mb_ptr + r_off, run_mb, mask=row_ok)
-
-    @triton.jit
-    def _bwd_kernel(
-        a_ptr, b_ptr, scale_ptr, pos_ptr,
-        row_m_ptr, row_ll_ptr, row_g_ptr,
-        col_m_ptr, col_ll_ptr, col_g_ptr,
-        ds_ptr, sgrad_ptr,
-        M, D, stride_a, stride_b, stride_ds, offset, col0, band_w,
-        SYMMETRIC: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    ):
-        """One recomputed tile of the band ``[col0, col0 + band_w)``: writes ``scale * dS`` and the
-        tile's ``sum dS * dots`` (the logit-scale gradient's share).
-
-        ``dS_ij = g_i (P_ij - [j = offset + i])`` with ``P_ij = exp(logit_ij - max_i - log sum_i)``,
-        plus, with ``SYMMETRIC``, ``h_j (Q_ij - [i = j])`` with ``Q`` the column softmax. The target
-        entries are ``g_i expm1(log P_ii)`` with ``log P_ii`` from the positive logit the forward
-        saved (no cancellation, and no per-element bookkeeping of the diagonal).
-        """
-        pid = tl.program_id(0)
-        n_rt = (M + BM - 1) // BM
-        n_ct = (band_w + BN - 1) // BN
-        per_group = GROUP_M * n_ct
-        first_rt = (pid // per_group) * GROUP_M
-        group_size = tl.minimum(n_rt - first_rt, GROUP_M)
-        rt = first_rt + (pid % per_group) % group_size
-        ct = (pid % per_group) // group_size
-
-        offs_m = tl.arange(0, BM)
-        offs_n = tl.arange(0, BN)
-        offs_k = tl.arange(0, BK)
-        rows = rt * BM + offs_m
-        row_ok = rows < M
-        lcols = ct * BN + offs_n
-        col_ok = lcols < band_w
-        cols = col0 + lcols
-        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
-        b_ptrs = b_ptr + cols.to(tl.int64)[:, None] * stride_b + offs_k[None, :]
-        dots = _dot_tile(a_ptrs, b_ptrs, row_ok, col_ok, D, BM, BN, BK, EVEN_K, UPCAST, PRECISION)
-        scale = tl.load(scale_ptr)
-        logits = dots * scale
-
-        m_r = tl.load(row_m_ptr + rows, mask=row_ok, other=0.0)
-        ll_r = tl.load(row_ll_ptr + rows, mask=row_ok, other=0.0)
-        g_r = tl.load(row_g_ptr + rows, mask=row_ok, other=0.0)
-        ds = g_r[:, None] * tl.exp((logits - m_r[:, None]) - ll_r[:, None])
-        if SYMMETRIC:
-            m_c = tl.load(col_m_ptr + cols, mask=col_ok, other=0.0)
-            ll_c = tl.load(col_ll_ptr + cols, mask=col_ok, other=0.0)
-            g_c = tl.load(col_g_ptr + cols, mask=col_ok, other=0.0)
-            ds += g_c[None, :] * tl.exp((logits - m_c[None, :]) - ll_c[None, :])
-        first_target = rt * BM + offset
-        if (col0 + ct * BN < first_target + BM) & (col0 + ct * BN + BN > first_target):
-            pos_r = tl.load(pos_ptr + rows, mask=row_ok, other=0.0)
-            d_target = g_r * _expm1((pos_r - m_r) - ll_r)
-            if SYMMETRIC:  # square block, offset 0: row i's target is column i
-                d_target += tl.load(col_g_ptr + rows, mask=row_ok, other=0.0) * _expm1(
-                    (pos_r - tl.load(col_m_ptr + rows, mask=row_ok, other=0.0))
-                    - tl.load(col_ll_ptr + rows, mask=row_ok, other=0.0)
-                )
-            ds = tl.where(cols[None, :] == (rows + offset)[:, None], d_target[:, None], ds)
-        ds = tl.where(row_ok[:, None] & col_ok[None, :], ds, 0.0)
-        tl.store(sgrad_ptr + pid, tl.reduce(tl.reduce(ds * dots, 1, _SUM), 0, _SUM))
-        out = ds_ptr + rows.to(tl.int64)[:, None] * stride_ds + lcols[None, :]
-        tl.store(out, (ds * scale).to(ds_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-else:  # pragma: no cover - exercised only without Triton
-    _fwd_kernel = _bwd_kernel = None
-
-
-# --------------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------------
 
 
 def _check_ready(device: torch.device) -> None:
-    if triton is None:
-        raise RuntimeError(f'ClipLoss(mode="fused") needs Triton ({unavailable_reason()})')
+    if fwd_kernel is None:
+        raise RuntimeError(f'ClipLoss(mode="fused") needs Triton ({_triton.unavailable_reason()})')
     if interpreting():
         return  # the interpreter copies CUDA tensors to the host and back: slow but correct
     if device.type != "cuda":
@@ -465,7 +236,7 @@ def _forward_stats(rows: Tensor, cols: Tensor, scale: Tensor, offset: int, symme
 
     Returns:
         ``(pos, (row_max, row_sum, row_before)[, (col_max, col_sum, col_before)])``: fp32 vectors,
-        ``*_before`` the maximum over the entries preceding the target (see :func:`_fwd_kernel`).
+        ``*_before`` the maximum over the entries preceding the target (see :func:`fwd_kernel`).
     """
     m_rows, dim = rows.shape
     n_cols = cols.shape[0]
@@ -491,60 +262,27 @@ def _forward_stats(rows: Tensor, cols: Tensor, scale: Tensor, offset: int, symme
         ]
     else:
         col_stats = row_stats  # unused
-    _fwd_kernel[(p_r, p_c)](
-        rows, cols, scale,
-        *row_stats, pos,
+    fwd_kernel[(p_r, p_c)](
+        rows,
+        cols,
+        scale,
+        *row_stats,
+        pos,
         *col_stats,
-        m_rows, n_cols, dim, rows.stride(0), cols.stride(0), offset, p_r, p_c,
+        m_rows,
+        n_cols,
+        dim,
+        rows.stride(0),
+        cols.stride(0),
+        offset,
+        p_r,
+        p_c,
         COL_STATS=symmetric,
         **_kernel_flags(rows.dtype, dim, cfg),
     )
     if symmetric:
         return pos, _merge(*row_stats), _merge(*col_stats)
     return pos, _merge(*row_stats)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_addmm_f32_ok(dtype: torch.dtype) -> bool:
-    """Whether ``torch.addmm(acc_f32, a16, b16, out_dtype=float32, out=acc_f32)`` accumulates in place."""
-    try:  # the layouts used here: a column slice of a wider buffer, a row slice
-        a = torch.ones(3, 8, dtype=dtype, device="cuda")[:, :4]
-        b = torch.ones(6, 5, dtype=dtype, device="cuda")[1:5]
-        acc = torch.full((3, 5), 2.0, device="cuda")
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-        return acc.dtype == torch.float32 and bool((acc == 6).all())
-    except (RuntimeError, TypeError):
-        return False
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_mm_f32_ok(dtype: torch.dtype) -> bool:
-    try:
-        a = torch.ones(3, 8, dtype=dtype, device="cuda")[:, :4]
-        out = torch.mm(a.mT, a, out_dtype=torch.float32)
-        return out.dtype == torch.float32 and bool((out == 3).all())
-    except (RuntimeError, TypeError):
-        return False
-
-
-def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` with an fp32 result and fp32 accumulation (one rounding of 16-bit results later)."""
-    if a.dtype == torch.float32 and b.dtype == torch.float32:
-        return a @ b
-    if a.is_cuda and a.dtype == b.dtype and _cuda_mm_f32_ok(a.dtype):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
-
-
-def _addmm_f32_(acc: Tensor, a: Tensor, b: Tensor, rows_per_step: int = 16384) -> None:
-    """``acc += a @ b`` for an fp32 ``acc`` (accumulation in fp32 whatever the operand dtype)."""
-    if a.dtype == torch.float32 and b.dtype == torch.float32:
-        acc.addmm_(a, b)
-    elif a.is_cuda and a.dtype == b.dtype and _cuda_addmm_f32_ok(a.dtype):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:  # fp32 temporaries of bounded size
-        for r0 in range(0, a.shape[0], rows_per_step):
-            acc[r0 : r0 + rows_per_step] += _mm_f32(a[r0 : r0 + rows_per_step], b)
 
 
 def _band_cols(cfg: FusedConfig, m_rows: int, n_cols: int, elem: int) -> int:
@@ -620,19 +358,36 @@ class _FusedCrossEntropy(torch.autograd.Function):
             w = min(width, n_cols - c0)
             tiles = row_tiles * _cdiv(w, cfg.block_n)
             partial = torch.empty(tiles, **f32)
-            _bwd_kernel[(tiles,)](
-                rows, cols, scale_buf, pos,
-                row_max, row_ll, g_r,
-                col_max if symmetric else row_max, col_ll if symmetric else row_ll, g_c,
-                band, partial,
-                m_rows, dim, rows.stride(0), cols.stride(0), band.stride(0), ctx.offset, c0, w,
-                SYMMETRIC=symmetric, GROUP_M=cfg.group_m, **flags,
+            bwd_kernel[(tiles,)](
+                rows,
+                cols,
+                scale_buf,
+                pos,
+                row_max,
+                row_ll,
+                g_r,
+                col_max if symmetric else row_max,
+                col_ll if symmetric else row_ll,
+                g_c,
+                band,
+                partial,
+                m_rows,
+                dim,
+                rows.stride(0),
+                cols.stride(0),
+                band.stride(0),
+                ctx.offset,
+                c0,
+                w,
+                SYMMETRIC=symmetric,
+                GROUP_M=cfg.group_m,
+                **flags,
             )
             ds = band[:, :w]
             if need_cols:
-                grad_c[c0 : c0 + w] = _mm_f32(ds.mT, mm_rows).to(cols.dtype)
+                grad_c[c0 : c0 + w] = mm_f32(ds.mT, mm_rows).to(cols.dtype)
             if need_rows:
-                _addmm_f32_(acc, ds, mm_cols[c0 : c0 + w])
+                addmm_f32_(acc, ds, mm_cols[c0 : c0 + w])
             grad_s += partial.sum(dtype=torch.float64)
         del band
         grad_r = acc.to(rows.dtype) if need_rows else None
@@ -712,7 +467,7 @@ def fused_symmetric_cross_entropy(
     return ce_r, ce_c, ok_r, ok_c
 
 
-def fused_mode(batch, scale: Tensor, bias: Tensor | None, chunk_size: int):
+def fused_mode(batch: GatheredBatch, scale: Tensor, bias: Tensor | None, chunk_size: int) -> ModeOutput:
     """The ``"fused"`` entry of :data:`recipe.loss.LOSS_MODES` (see the module docstring).
 
     At world size 1 (the gathered tensors are the local ones) one block serves both directions;
@@ -728,8 +483,6 @@ def fused_mode(batch, scale: Tensor, bias: Tensor | None, chunk_size: int):
     Returns:
         A :class:`recipe.loss.ModeOutput`.
     """
-    from .loss import ModeOutput
-
     image, text = batch.image, batch.text
     cfg = default_config(image.dtype, image.shape[1], chunk_size)
     if batch.all_image is image and batch.all_text is text and batch.offset == 0:
@@ -737,7 +490,4 @@ def fused_mode(batch, scale: Tensor, bias: Tensor | None, chunk_size: int):
     else:
         ce_i2t, ok_i2t = fused_cross_entropy(image, batch.all_text, scale, batch.offset, cfg)
         ce_t2i, ok_t2i = fused_cross_entropy(text, batch.all_image, scale, batch.offset, cfg)
-    if bias is not None:  # in the graph, with its exactly zero gradient (see recipe.loss)
-        zero = bias - bias
-        ce_i2t, ce_t2i = ce_i2t + zero, ce_t2i + zero
-    return ModeOutput(ce_i2t, ce_t2i, ok_i2t, ok_t2i)
+    return with_bias(ModeOutput(ce_i2t, ce_t2i, ok_i2t, ok_t2i), bias)

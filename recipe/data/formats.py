@@ -1,18 +1,17 @@
-"""Open image-caption data in its on-disk format through Hugging Face ``datasets``.
+"""Find image-caption data on disk and open map-style sources through Hugging Face ``datasets``.
 
-Two kinds of source come out of here:
+Two kinds of source feed the loaders:
 
-* :class:`MapSource` wraps a map-style :class:`datasets.Dataset` (random access by row) read from
-  CSV/TSV, JSON lines, parquet, an imagefolder with a metadata file, or a ``save_to_disk``
-  directory. The image column may hold paths (relative to ``image_root`` or to the folder of the
-  file that names them), raw bytes, or ``datasets.Image`` values.
-* :class:`StreamSource` wraps a streamed :class:`datasets.IterableDataset` over webdataset tar
-  shards (``<key>.jpg``/``<key>.png`` + ``<key>.txt``, as img2dataset writes them). Shards are the
-  unit ``datasets.distributed.split_dataset_by_node`` and DataLoader workers split on.
+* :class:`MapSource` (here) wraps a map-style :class:`datasets.Dataset` (random access by row)
+  read from CSV/TSV, JSON lines, parquet, an imagefolder with a metadata file, or a
+  ``save_to_disk`` directory. The image column may hold paths (relative to ``image_root`` or to
+  the folder of the file that names them), raw bytes, or ``datasets.Image`` values.
+* :class:`recipe.data.webdataset.StreamSource` wraps a streamed :class:`datasets.IterableDataset`
+  over webdataset tar shards.
 
-Every problem the user can fix (missing path, unknown format, wrong column name) raises here, at
+Every problem the user can fix (missing path, unknown format, wrong column name) raises at
 start-up, with the offending name in the message. Problems with single samples are left to the
-decoder in :mod:`recipe.data`, which skips and counts them.
+decoder (:mod:`recipe.data.decode`), which skips and counts them.
 """
 
 from __future__ import annotations
@@ -22,13 +21,10 @@ import glob
 import logging
 import os
 import re
-import tarfile
-import zlib
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import datasets
-from datasets import Features, Value
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +68,13 @@ _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".t
 #: Column names tried, in order, when no image/caption column is configured.
 IMAGE_COLUMN_CANDIDATES = ("filepath", "image", "image_path", "img", "jpg", "png", "jpeg", "webp", "file_name", "path")
 CAPTION_COLUMN_CANDIDATES = ("title", "caption", "text", "txt", "sentence")
-#: File extensions read as the image of a webdataset sample when none are configured.
-WDS_IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
-WDS_CAPTION_EXTENSION = "txt"
-WDS_LABEL_EXTENSION = "cls"
 
 _BRACE = re.compile(r"\{([^{}]*)\}")
+
+
+# ----------------------------------------------------------------------------------------------
+# paths and formats
+# ----------------------------------------------------------------------------------------------
 
 
 def canonical_format(fmt: str) -> str:
@@ -148,11 +145,6 @@ def expand_paths(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[
     return [os.path.abspath(p) for p in out]
 
 
-def _files_with_suffix(directory: str, suffixes: Sequence[str]) -> list[str]:
-    names = sorted(os.listdir(directory))
-    return [os.path.join(directory, n) for n in names if n.lower().endswith(tuple(suffixes))]
-
-
 def _is_disk_dataset(directory: str) -> bool:
     has = set(os.listdir(directory))
     return "dataset_dict.json" in has or {"state.json", "dataset_info.json"} <= has
@@ -185,25 +177,30 @@ def detect_format(paths: Sequence[str]) -> str:
             elif lower and all(n.endswith(".parquet") for n in lower):
                 kinds.add("parquet")
             else:
-                raise ValueError(f"cannot tell the data format of directory {p!r}; pass format= explicitly")
+                raise ValueError(f"cannot tell the data format of directory {p!r}; set data_format explicitly")
         else:
             suffix = os.path.splitext(p)[1].lower()
             if suffix not in _SUFFIX_FORMAT:
-                raise ValueError(f"cannot tell the data format of {p!r} from its suffix; pass format= explicitly")
+                raise ValueError(f"cannot tell the data format of {p!r} from its suffix; set data_format explicitly")
             kinds.add(_SUFFIX_FORMAT[suffix])
     if len(kinds) != 1:
         raise ValueError(f"data paths mix formats {sorted(kinds)}; give one format at a time")
     return kinds.pop()
 
 
-def _files_for_format(paths: Sequence[str], fmt: str) -> list[str]:
-    """Replace directories by the files of ``fmt`` inside them (for file-based formats)."""
+def files_for_format(paths: Sequence[str], fmt: str) -> list[str]:
+    """Replace directories by the files of ``fmt`` inside them, sorted by name (file-based formats).
+
+    Raises:
+        FileNotFoundError: A directory without such files.
+    """
+    suffixes = _FORMAT_SUFFIXES[fmt]
     out = []
     for p in paths:
         if os.path.isdir(p):
-            files = _files_with_suffix(p, _FORMAT_SUFFIXES[fmt])
+            files = [os.path.join(p, n) for n in sorted(os.listdir(p)) if n.lower().endswith(suffixes)]
             if not files:
-                raise FileNotFoundError(f"directory {p!r} holds no {'/'.join(_FORMAT_SUFFIXES[fmt])} files")
+                raise FileNotFoundError(f"directory {p!r} holds no {'/'.join(suffixes)} files")
             out.extend(files)
         else:
             out.append(p)
@@ -220,7 +217,9 @@ def sniff_separator(path: str) -> str:
     return "\t" if "\t" in header else ","
 
 
-def _pick_column(kind: str, configured: str | None, candidates: Sequence[str], columns: Sequence[str], where: str) -> str:
+def _pick_column(
+    kind: str, configured: str | None, candidates: Sequence[str], columns: Sequence[str], where: str
+) -> str:
     if configured is not None:
         if configured not in columns:
             raise ValueError(f"{kind} column {configured!r} not found in {where}; available columns: {list(columns)}")
@@ -232,6 +231,11 @@ def _pick_column(kind: str, configured: str | None, candidates: Sequence[str], c
         f"no {kind} column found in {where} (tried {list(candidates)}); available columns: {list(columns)}. "
         f"Set {kind}_column explicitly."
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# samples and map-style sources
+# ----------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -280,6 +284,11 @@ class MapSource:
     def __len__(self) -> int:
         return len(self.dataset)
 
+    @property
+    def num_samples(self) -> int:
+        """Rows of the dataset (as :attr:`recipe.data.webdataset.StreamSource.num_samples`)."""
+        return len(self.dataset)
+
     def base_dir(self, index: int) -> str:
         """Return the folder that relative image paths of row ``index`` resolve against."""
         return self.base_dirs[bisect.bisect_right(self.part_starts, index) - 1]
@@ -300,7 +309,9 @@ class MapSource:
         return self.dataset[self.caption_column]
 
 
-def _load_file_parts(files: Sequence[str], fmt: str, separator: str | None, cache_dir: str | None) -> list[datasets.Dataset]:
+def _load_file_parts(
+    files: Sequence[str], fmt: str, separator: str | None, cache_dir: str | None
+) -> list[datasets.Dataset]:
     parts = []
     for f in files:
         if fmt in ("csv", "tsv"):
@@ -356,7 +367,7 @@ def open_map_source(
         raise ValueError(f"format {fmt!r} is not a map-style format {MAP_FORMATS}")
     where = f"{fmt} data at {', '.join(paths)}"
     if fmt in ("csv", "tsv", "json", "parquet"):
-        files = _files_for_format(paths, fmt)
+        files = files_for_format(paths, fmt)
         parts = _load_file_parts(files, fmt, csv_separator, cache_dir)
         bases = [image_root or os.path.dirname(f) for f in files]
     elif fmt == "imagefolder":
@@ -376,7 +387,7 @@ def open_map_source(
             parts.append(loaded)
             bases.append(image_root or d)
     columns = parts[0].column_names
-    for p, part in zip(paths, parts[1:]):
+    for part in parts[1:]:
         if part.column_names != columns:
             raise ValueError(f"data files have different columns: {columns} vs {part.column_names}")
     img_col = _pick_column("image", image_column, IMAGE_COLUMN_CANDIDATES, columns, where)
@@ -399,6 +410,11 @@ def open_map_source(
     source = MapSource(dataset, img_col, cap_col, lab_col, bases, starts, where)
     _check_some_images_exist(source)
     return source
+
+
+# ----------------------------------------------------------------------------------------------
+# image values
+# ----------------------------------------------------------------------------------------------
 
 
 def resolve_image_path(path: str, base_dir: str | None) -> str:
@@ -430,192 +446,6 @@ def _check_some_images_exist(source: MapSource, probe: int = 16) -> None:
         )
 
 
-# ----------------------------------------------------------------------------------------------
-# webdataset tar shards
-# ----------------------------------------------------------------------------------------------
-
-
-def split_member_name(name: str) -> tuple[str | None, str | None]:
-    """Split a tar member name into (sample key, extension) the webdataset way.
-
-    The key is the directory plus the basename up to its first dot; the extension is the rest,
-    lower-cased. Names without a dot (or hidden files) have no key.
-    """
-    directory, base = os.path.split(name)
-    if "." not in base or base.startswith("."):
-        return None, None
-    stem, ext = base.split(".", 1)
-    return (os.path.join(directory, stem) if directory else stem), ext.lower()
-
-
-def iter_tar_samples(shards: list[str], fields: tuple[str, ...]) -> Iterator[dict[str, Any]]:
-    """Yield webdataset samples of ``shards`` with the raw bytes of ``fields``.
-
-    Used as the generator of a ``datasets.IterableDataset``; ``shards`` is the list that
-    ``datasets`` splits between nodes and workers. A shard that cannot be read to its end yields
-    one record with ``__error__`` set, so the loss is counted instead of ending the stream.
-    """
-    for url in shards:
-        key, sample = None, {}
-        try:
-            with tarfile.open(url, "r|*") as tf:
-                for member in tf:
-                    if not member.isfile():
-                        continue
-                    k, ext = split_member_name(member.name)
-                    if k is None:
-                        continue
-                    if k != key:
-                        if key is not None:
-                            yield _tar_record(url, key, sample, fields)
-                        key, sample = k, {}
-                    if ext in fields:
-                        handle = tf.extractfile(member)
-                        sample[ext] = handle.read() if handle is not None else None
-            if key is not None:
-                yield _tar_record(url, key, sample, fields)
-        except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:  # truncated or corrupt shard
-            record = _tar_record(url, f"{key or ''}<unreadable rest of shard>", {}, fields)
-            record["__error__"] = f"{type(exc).__name__}: {exc}"
-            yield record
-
-
-def _tar_record(url: str, key: str, sample: dict[str, bytes], fields: tuple[str, ...]) -> dict[str, Any]:
-    record: dict[str, Any] = {"__key__": key, "__url__": url, "__error__": None}
-    for f in fields:
-        record[f] = sample.get(f)
-    return record
-
-
-def _peek_tar_extensions(url: str, max_samples: int = 8) -> set[str]:
-    """Extensions found in the first ``max_samples`` samples of a shard."""
-    found: set[str] = set()
-    keys: list[str] = []
-    with tarfile.open(url, "r|*") as tf:
-        for member in tf:
-            if not member.isfile():
-                continue
-            k, ext = split_member_name(member.name)
-            if k is None:
-                continue
-            if not keys or keys[-1] != k:
-                if len(keys) == max_samples:
-                    break
-                keys.append(k)
-            found.add(ext)
-    return found
-
-
-def count_tar_samples(url: str) -> int:
-    """Count the samples (distinct consecutive keys) of one shard by reading only tar headers."""
-    count, last = 0, None
-    with tarfile.open(url, "r:*") as tf:
-        for member in tf:
-            if not member.isfile():
-                continue
-            k, _ = split_member_name(member.name)
-            if k is not None and k != last:
-                count += 1
-                last = k
-    return count
-
-
-@dataclass
-class StreamSource:
-    """A streamed webdataset with resolved fields.
-
-    Attributes:
-        dataset: The un-shuffled, un-split ``datasets.IterableDataset``; one shard per tar.
-        shards: Tar paths, in order.
-        image_fields: Extensions tried, in order, for the image of a sample.
-        caption_field: Extension holding the caption.
-        label_field: Extension holding the class label, or None.
-        num_samples: Total samples over all shards (given or counted from tar headers).
-        description: Human-readable description for messages.
-    """
-
-    dataset: datasets.IterableDataset
-    shards: list[str]
-    image_fields: tuple[str, ...]
-    caption_field: str
-    label_field: str | None
-    num_samples: int
-    description: str = ""
-    fields: tuple[str, ...] = field(default=())
-
-    def to_raw(self, record: dict[str, Any]) -> RawSample:
-        """Convert one streamed record to an undecoded sample."""
-        image = None
-        for f in self.image_fields:
-            if record.get(f) is not None:
-                image = record[f]
-                break
-        key = f"{os.path.basename(record['__url__'])}/{record['__key__']}"
-        label = record.get(self.label_field) if self.label_field else None
-        return RawSample(key, image, record.get(self.caption_field), label, None, record.get("__error__"))
-
-
-def open_stream_source(
-    paths: Sequence[str],
-    *,
-    image_column: str | None = None,
-    caption_column: str | None = None,
-    label_column: str | None = None,
-    num_samples: int | None = None,
-) -> StreamSource:
-    """Open webdataset tar shards as a streamed ``datasets.IterableDataset``.
-
-    Args:
-        paths: Expanded paths: tar files and/or directories of tar files.
-        image_column: Image extension(s), ``;``-separated (``"jpg;png"``); default: any of
-            :data:`WDS_IMAGE_EXTENSIONS`.
-        caption_column: Caption extension (default ``"txt"``).
-        label_column: Label extension (e.g. ``"cls"``), or None.
-        num_samples: Total number of samples; counted from the tar headers if None.
-
-    Raises:
-        ValueError: If a configured extension is absent from the first samples of the first shard.
-        FileNotFoundError: A directory without tar files.
-    """
-    shards = _files_for_format(paths, "webdataset")
-    where = f"webdataset shards {shards[0]}{' ...' if len(shards) > 1 else ''} ({len(shards)} shards)"
-    try:
-        found = _peek_tar_extensions(shards[0])
-    except (tarfile.TarError, OSError) as exc:
-        raise ValueError(f"cannot read tar shard {shards[0]!r}: {exc}") from exc
-    if image_column is None:
-        image_fields = WDS_IMAGE_EXTENSIONS
-        if not found & set(image_fields):
-            raise ValueError(
-                f"no image files ({', '.join(image_fields)}) in the first samples of {where}; "
-                f"extensions found: {sorted(found)}. Set image_column."
-            )
-    else:
-        image_fields = tuple(e.strip().lower().lstrip(".") for e in image_column.split(";") if e.strip())
-        if not found & set(image_fields):
-            raise ValueError(f"image column {image_column!r} not found in {where}; extensions found: {sorted(found)}")
-    caption_field = (caption_column or WDS_CAPTION_EXTENSION).lower().lstrip(".")
-    if caption_field not in found:
-        raise ValueError(f"caption column {caption_field!r} not found in {where}; extensions found: {sorted(found)}")
-    label_field = None
-    if label_column is not None:
-        label_field = label_column.lower().lstrip(".")
-        if label_field not in found:
-            raise ValueError(f"label column {label_field!r} not found in {where}; extensions found: {sorted(found)}")
-    fields = tuple(dict.fromkeys([*image_fields, caption_field, *([label_field] if label_field else [])]))
-    features = Features(
-        {"__key__": Value("string"), "__url__": Value("string"), "__error__": Value("string"), **{f: Value("binary") for f in fields}}
-    )
-    dataset = datasets.IterableDataset.from_generator(
-        iter_tar_samples, features=features, gen_kwargs={"shards": list(shards), "fields": fields}
-    )
-    if num_samples is None:
-        num_samples = sum(count_tar_samples(s) for s in shards)
-    if num_samples <= 0:
-        raise ValueError(f"{where} holds no samples")
-    return StreamSource(dataset, list(shards), tuple(image_fields), caption_field, label_field, int(num_samples), where, fields)
-
-
 def read_image_bytes(image: Any, base_dir: str | None) -> tuple[bytes | None, str]:
     """Return the encoded bytes of an image value and a description of where they came from.
 
@@ -640,22 +470,20 @@ def read_image_bytes(image: Any, base_dir: str | None) -> tuple[bytes | None, st
 
 
 __all__ = [
+    "CAPTION_COLUMN_CANDIDATES",
     "FORMAT_ALIASES",
+    "IMAGE_COLUMN_CANDIDATES",
     "MAP_FORMATS",
     "STREAM_FORMATS",
     "MapSource",
     "RawSample",
-    "StreamSource",
     "canonical_format",
-    "count_tar_samples",
     "detect_format",
     "expand_braces",
     "expand_paths",
-    "iter_tar_samples",
+    "files_for_format",
     "open_map_source",
-    "open_stream_source",
     "read_image_bytes",
     "resolve_image_path",
     "sniff_separator",
-    "split_member_name",
 ]

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 from recipe.loss import LOSS_MODES, ClipLoss, all_gather_with_grad
 
-from .clip_reference import LargestTensor, assert_grad_close, clip_reference
-from .dist_utils import run_distributed
+from ...clip_reference import LargestTensor, assert_grad_close, clip_reference
+from ...dist_utils import run_distributed
 
 
 def _cpu_modes() -> list[str]:
@@ -45,9 +45,9 @@ def _cpu_modes() -> list[str]:
     GPU test below cover them there)."""
     modes = sorted(LOSS_MODES)
     try:
-        from recipe import loss_kernels
+        from recipe.loss import fused
 
-        interpreted = loss_kernels.interpreting()
+        interpreted = fused.interpreting()
     except ImportError:
         interpreted = False
     return modes if interpreted else [m for m in modes if m != "fused"]
@@ -140,15 +140,19 @@ def _dp_mean(t: torch.Tensor) -> torch.Tensor:
     return t / dist.get_world_size()
 
 
-def _run_case(loss_fn, case: Case, rank: int, world: int) -> dict:
+def _run_case(loss_fn, case: Case, rank: int, world: int, known_sizes: bool = False) -> dict:
     image_full, text_full = (t.clone().requires_grad_() for t in _inputs(case, world))
     sizes = case.sizes(world)
     lo = sum(sizes[:rank])
     rows = slice(lo, lo + sizes[rank])
     scale = torch.tensor(case.scale, requires_grad=True)
     bias = None if case.bias is None else torch.tensor(case.bias, requires_grad=True)
-    out = loss_fn(image_full[rows], text_full[rows], scale, bias)
-    if isinstance(out, dict):  # open_clip with output_dict
+    kwargs = {"sizes": sizes} if known_sizes else {}
+    out = loss_fn(image_full[rows], text_full[rows], scale, bias, **kwargs)
+    metrics = None
+    if isinstance(loss_fn, ClipLoss):
+        out, metrics = out
+    elif isinstance(out, dict):  # open_clip with output_dict
         out = out["contrastive_loss"]
     out.backward()
     result = {
@@ -161,9 +165,9 @@ def _run_case(loss_fn, case: Case, rank: int, world: int) -> dict:
     }
     if bias is not None:
         result["grad_bias"] = _dp_mean(bias.grad if bias.grad is not None else torch.zeros(()))
-    if isinstance(loss_fn, ClipLoss):
-        result["acc_i2t"] = _dp_mean(loss_fn.last_metrics["acc_i2t"])
-        result["acc_t2i"] = _dp_mean(loss_fn.last_metrics["acc_t2i"])
+    if metrics is not None:
+        result["acc_i2t"] = _dp_mean(metrics["acc_i2t"])
+        result["acc_t2i"] = _dp_mean(metrics["acc_t2i"])
     return result
 
 
@@ -217,6 +221,9 @@ def _worker(rank: int, world: int) -> dict:
     for case in _cases_for(world):
         loss_fn = ClipLoss(mode=case.mode, chunk_size=case.chunk)
         results["cases"][case.name] = _run_case(loss_fn, case, rank, world)
+        if world > 1 and case.uneven:  # sizes known to the caller: no exchange, same result
+            known = ClipLoss(mode=case.mode, chunk_size=case.chunk, validate=False)
+            results.setdefault("known_sizes", {})[case.name] = _run_case(known, case, rank, world, known_sizes=True)
     open_clip_loss = _open_clip_loss_module()
     if open_clip_loss is None:
         results["open_clip"] = None
@@ -293,6 +300,17 @@ def test_matches_open_clip(world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1])
+def test_known_sizes_skip_the_exchange_with_identical_results(world: int) -> None:
+    for rank, res in enumerate(_world_results(world)):
+        assert res["known_sizes"], "no uneven case ran with known sizes"
+        for name, got in res["known_sizes"].items():
+            exchanged = res["cases"][name]
+            for key, value in exchanged.items():
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(got[key], value), (rank, name, key)
+
+
+@pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1])
 def test_all_gather_backward_is_reduce_scatter_sum(world: int) -> None:
     for rank, res in enumerate(_world_results(world)):
         check = res["gather"]
@@ -323,13 +341,13 @@ def test_without_process_group_matches_reference(mode: str) -> None:
     x, y = image.clone().requires_grad_(), text.clone().requires_grad_()
     scale, bias = torch.tensor(case.scale, requires_grad=True), torch.tensor(case.bias, requires_grad=True)
     loss_fn = ClipLoss(mode=mode, chunk_size=case.chunk)
-    loss, metrics = loss_fn(x, y, scale, bias, return_metrics=True)
+    loss, metrics = loss_fn(x, y, scale, bias)
     loss.backward()
     ref = clip_reference(image, text, case.scale, case.bias)
     got = {"loss": loss.double(), "grad_image": x.grad.double(), "grad_text": y.grad.double(),
            "grad_scale": scale.grad.double(), "grad_bias": bias.grad.double()}
     _assert_matches_reference(got, ref, case)
-    assert metrics is loss_fn.last_metrics
+    assert set(metrics) == {"acc_i2t", "acc_t2i"}
     torch.testing.assert_close(metrics["acc_i2t"].double(), ref["acc_i2t"], rtol=0, atol=1e-6)
     torch.testing.assert_close(metrics["acc_t2i"].double(), ref["acc_t2i"], rtol=0, atol=1e-6)
     assert not metrics["acc_i2t"].requires_grad
@@ -344,7 +362,7 @@ def test_plain_and_chunked_agree_on_a_larger_batch(dtype: torch.dtype) -> None:
     for mode in ("plain", "chunked"):
         x, y = image.clone().requires_grad_(), text.clone().requires_grad_()
         scale = torch.tensor(50.0, requires_grad=True)
-        loss = ClipLoss(mode=mode, chunk_size=128)(x, y, scale)
+        loss, _ = ClipLoss(mode=mode, chunk_size=128)(x, y, scale)
         loss.backward()
         outs.append((loss.detach(), x.grad.float(), y.grad.float(), scale.grad))
     (lp, xp, yp, sp), (lc, xc, yc, sc) = outs
@@ -366,7 +384,7 @@ def test_chunked_never_materialises_the_logit_block() -> None:
         x, y = image.clone().requires_grad_(), text.clone().requires_grad_()
         scale = torch.tensor(20.0, requires_grad=True)
         with LargestTensor() as probe:
-            ClipLoss(mode=mode, chunk_size=chunk)(x, y, scale).backward()
+            ClipLoss(mode=mode, chunk_size=chunk)(x, y, scale).loss.backward()
         largest[mode] = probe.largest
     assert largest["plain"] >= rows * rows * 4  # the probe does see the fp32 block when it exists
     assert largest["chunked"] <= max(chunk * chunk, 2 * rows * dim) * 4, largest
@@ -383,7 +401,7 @@ def test_fp16_at_scale_100_stays_finite_where_fp16_logits_overflow() -> None:
     for mode in CPU_MODES:
         x, y = x16.clone().requires_grad_(), y16.clone().requires_grad_()
         scale = torch.tensor(100.0, requires_grad=True)
-        loss = ClipLoss(mode=mode, chunk_size=24)(x, y, scale)
+        loss, _ = ClipLoss(mode=mode, chunk_size=24)(x, y, scale)
         loss.backward()
         torch.testing.assert_close(loss.double(), ref["loss"], rtol=1e-5, atol=1e-7)
         assert_grad_close(x.grad.double(), ref["grad_image"], 3e-3, f"{mode} image grad")
@@ -400,7 +418,7 @@ def test_autocast_region_keeps_fp32_logits(mode: str) -> None:
         x, y = image.clone().requires_grad_(), text.clone().requires_grad_()
         scale = torch.tensor(80.0, requires_grad=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = ClipLoss(mode=mode, chunk_size=16)(x, y, scale)
+            loss, _ = ClipLoss(mode=mode, chunk_size=16)(x, y, scale)
         loss.backward()
         results.append((loss.detach(), x.grad, scale.grad))
     (l0, g0, s0), (l1, g1, s1) = results
@@ -424,7 +442,7 @@ def test_cuda_matches_reference_and_chunked_saves_memory(dtype: str) -> None:
     for mode in LOSS_MODES:
         x, y = image.to(device).requires_grad_(), text.to(device).requires_grad_()
         scale = torch.tensor(100.0, device=device, requires_grad=True)
-        loss = ClipLoss(mode=mode, chunk_size=256)(x, y, scale)
+        loss, _ = ClipLoss(mode=mode, chunk_size=256)(x, y, scale)
         loss.backward()
         torch.testing.assert_close(loss.double().cpu(), ref["loss"], rtol=loss_rtol, atol=1e-7)
         assert_grad_close(x.grad.double().cpu(), ref["grad_image"], grad_tol, f"{mode} image grad")
@@ -440,7 +458,7 @@ def test_cuda_matches_reference_and_chunked_saves_memory(dtype: str) -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        ClipLoss(mode=mode, chunk_size=chunk)(x, y, scale).backward()
+        ClipLoss(mode=mode, chunk_size=chunk)(x, y, scale).loss.backward()
         torch.cuda.synchronize()
         extra[mode] = torch.cuda.max_memory_allocated() - base
     block = rows * rows * 4  # one fp32 logit block
@@ -468,6 +486,8 @@ def test_input_errors() -> None:
             loss_fn(x, x, s, torch.zeros(3))
         with pytest.raises(ValueError, match="empty"):
             loss_fn(x[:0], x[:0], s)
+        with pytest.raises(ValueError, match="sizes"):
+            loss_fn(x, x, s, sizes=[3])
         bad = x.clone()
         bad[1, 2] = float("inf")
         with pytest.raises(ValueError, match="non-finite"):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import io
 import json
 import math
 import os
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +18,7 @@ from PIL import Image
 
 from recipe import synthetic as S
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 N, N_VAL, SIZE, SHARD = 30, 12, 32, 8
 
 
@@ -107,7 +108,7 @@ def test_zeroshot_file(ds):
     prompts = {t.format(c) for t in spec["templates"] for c in spec["classnames"]}
     assert not prompts & captions  # zero-shot prompts are phrased unlike any caption
 
-    from recipe.data import ZEROSHOT_FILENAME
+    from recipe.zeroshot import ZEROSHOT_FILENAME
 
     assert ZEROSHOT_FILENAME == S.ZEROSHOT_FILENAME
 
@@ -164,9 +165,10 @@ def test_bad_arguments(tmp_path):
 
 def test_command_line(tmp_path):
     out = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "recipe.synthetic", "--out", str(out), "--n", "20", "--seed", "2", "--image-size", "24",
-           "--shapes", "circle,cross", "--colours", "red,blue,cyan", "--image-format", "jpg", "--shard-size", "16"]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=120)
+    cmd = [sys.executable, "-m", "recipe.synthetic", "--out", str(out), "--n", "20", "--seed", "2",
+           "--image-size", "24", "--shapes", "circle,cross", "--colours", "red,blue,cyan", "--image-format", "jpg",
+           "--shard-size", "16"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 0, res.stderr
     info = json.load(open(out / "info.json"))
     assert info["num_classes"] == 6 and info["n_train"] == 20 and info["n_val"] == 6
@@ -187,7 +189,9 @@ def test_a_small_clip_learns_zero_shot_far_above_chance(tmp_path):
     import torch.nn.functional as F
     from torch import nn
 
-    from recipe.data import DataConfig, build_eval_loader, build_train_loader, find_zeroshot_file, load_zeroshot_prompts
+    from recipe.config import DataConfig
+    from recipe.data import build_eval_loader, build_train_loader
+    from recipe.zeroshot import find_zeroshot_file, load_zeroshot_prompts
 
     torch.manual_seed(0)
     root = tmp_path / "syn"
@@ -216,12 +220,15 @@ def test_a_small_clip_learns_zero_shot_far_above_chance(tmp_path):
     text = nn.EmbeddingBag(len(vocab) + 1, 64, mode="sum", padding_idx=0)
     logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
     opt = torch.optim.AdamW([*image.parameters(), *text.parameters(), logit_scale], lr=3e-3)
-    image_cfg = {"input_size": (3, 32, 32), "interpolation": "bilinear", "mean": (0.5,) * 3, "std": (0.25,) * 3, "crop_pct": 1.0}
+    image_cfg = {
+        "input_size": (3, 32, 32), "interpolation": "bilinear", "mean": (0.5,) * 3, "std": (0.25,) * 3, "crop_pct": 1.0
+    }
 
     def encode_text(tokens):
         return F.normalize(text(tokens["input_ids"]), dim=-1)
 
-    loader = build_train_loader(DataConfig(path=str(root / "train.csv"), num_workers=1), tokenize, image_cfg, 64, seed=0)
+    train = DataConfig(train_data=str(root / "train.csv"), workers=1)
+    loader = build_train_loader(train, tokenize, image_cfg, 64, seed=0)
     for _ in range(3):  # 3 epochs of 16 steps
         for batch in loader:
             img = F.normalize(image(batch["pixel_values"]), dim=-1)
@@ -235,7 +242,7 @@ def test_a_small_clip_learns_zero_shot_far_above_chance(tmp_path):
     with torch.no_grad():
         classifier = torch.stack([F.normalize(encode_text(tokenize(p)).mean(0), dim=-1) for p in zs.prompts()])
         correct = total = 0
-        val = DataConfig(path=str(root / "val.csv"), label_column="label", num_workers=0)
+        val = DataConfig(val_data=str(root / "val.csv"), label_column="label", eval_workers=0)
         for batch in build_eval_loader(val, tokenize, image_cfg, 120):
             pred = (F.normalize(image(batch["pixel_values"]), dim=-1) @ classifier.T).argmax(1)
             correct += int((pred == batch["labels"]).sum())

@@ -1,7 +1,7 @@
 """The fused Triton contrastive-loss kernels (``ClipLoss(mode="fused")``) against a float64 reference.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors: this module sets
-``TRITON_INTERPRET=1`` before :mod:`recipe.loss_kernels` (and so Triton) is first imported, and the
+``TRITON_INTERPRET=1`` before :mod:`recipe.loss.fused` (and so Triton) is first imported, and the
 gloo ranks get it through their environment. Sizes are tiny and tiles are 16 (``chunk_size`` caps the
 tile edge), so that every size below leaves partial tiles, the forward runs several programs whose
 partial row and column statistics are merged, and the backward walks several column bands. With CUDA
@@ -38,17 +38,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 CUDA = torch.cuda.is_available()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
-if not CUDA:  # read when the kernels are decorated (recipe.loss_kernels would set it too)
+if not CUDA:  # read when the kernels are decorated (optim._triton would set it too)
     os.environ["TRITON_INTERPRET"] = "1"
-from recipe import loss_kernels as lk  # noqa: E402
+from optim import _triton  # noqa: E402
+from recipe.loss import fused as lk  # noqa: E402
 from recipe.loss import ClipLoss  # noqa: E402
 
-from .clip_reference import LargestTensor, assert_grad_close, clip_reference
-from .dist_utils import run_distributed  # noqa: E402
+from ...clip_reference import LargestTensor, assert_grad_close, clip_reference
+from ...dist_utils import run_distributed  # noqa: E402
 
-HAVE_TRITON = lk.is_available()
+HAVE_TRITON = _triton.is_available()
 INTERPRETED = HAVE_TRITON and lk.interpreting()
 on_cpu = pytest.mark.skipif(
     not INTERPRETED, reason="kernels compiled in this process; test_interpreter_variant_in_subprocess runs these"
@@ -121,7 +122,7 @@ def _run_loss(image: torch.Tensor, text: torch.Tensor, case: Case, chunk: int, d
     scale = torch.tensor(case.scale, device=device, requires_grad=True)
     bias = None if case.bias is None else torch.tensor(case.bias, device=device, requires_grad=True)
     loss_fn = ClipLoss(mode="fused", chunk_size=chunk)
-    loss, metrics = loss_fn(x, y, scale, bias, return_metrics=True)
+    loss, metrics = loss_fn(x, y, scale, bias)
     loss.backward()
     assert loss.dtype == torch.float32 and x.grad.dtype == image.dtype
     out = {"loss": loss.detach().cpu(), "grad_image": x.grad.cpu(), "grad_text": y.grad.cpu(),
@@ -214,7 +215,7 @@ def test_never_materialises_the_logit_block() -> None:
         x, y = image.clone().requires_grad_(), text.clone().requires_grad_()
         scale = torch.tensor(20.0, requires_grad=True)
         with LargestTensor() as probe:
-            ClipLoss(mode=mode, chunk_size=tile)(x, y, scale).backward()
+            ClipLoss(mode=mode, chunk_size=tile)(x, y, scale).loss.backward()
         largest[mode] = probe.largest
     assert largest["plain"] >= rows * rows * 4  # the probe sees the fp32 block when it exists
     # fp32: one-tile dS bands, (M, D) accumulators, 4-program partial statistics
@@ -267,16 +268,16 @@ os.environ["TRITON_INTERPRET"] = "0"
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from recipe import loss_kernels as lk
+from recipe.loss import fused as lk, fused_kernels as fk
 assert not lk.interpreting()
 report = []
 for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
     cfg = lk.default_config(dtype, 1024)
     flags = lk._kernel_flags(dtype, 1024, cfg)
     launch = {"num_warps": flags.pop("num_warps"), "num_stages": flags.pop("num_stages")}
-    for fn, flag in ((lk._fwd_kernel, "COL_STATS"), (lk._bwd_kernel, "SYMMETRIC")):
+    for fn, flag in ((fk.fwd_kernel, "COL_STATS"), (fk.bwd_kernel, "SYMMETRIC")):
         for on in (True, False):
-            consts = dict(flags, **{flag: on}, **({"GROUP_M": cfg.group_m} if fn is lk._bwd_kernel else {}))
+            consts = dict(flags, **{flag: on}, **({"GROUP_M": cfg.group_m} if fn is fk.bwd_kernel else {}))
             sig, hints = {}, []
             for i, arg in enumerate(fn.arg_names):  # launches specialise 16-divisible pointers/strides
                 if arg in consts:
@@ -297,7 +298,7 @@ print(json.dumps(report))
 """
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason=f"Triton is not importable: {lk.unavailable_reason()}")
+@pytest.mark.skipif(not HAVE_TRITON, reason=f"Triton is not importable: {_triton.unavailable_reason()}")
 def test_kernels_compile_for_sm90_without_a_gpu() -> None:
     """The interpreter does not lower the kernels: compile every variant for sm_90 (Triton's own
     compiler and ptxas, no device needed) with the default configurations; 16-bit variants must use
@@ -340,15 +341,15 @@ def _dist_worker(rank: int, world: int) -> dict:
         scale = torch.tensor(case.scale, requires_grad=True)
         bias = None if case.bias is None else torch.tensor(case.bias, requires_grad=True)
         loss_fn = ClipLoss(mode="fused", chunk_size=TILE)
-        loss = loss_fn(image_full[rows], text_full[rows], scale, bias)
+        loss, metrics = loss_fn(image_full[rows], text_full[rows], scale, bias)
         loss.backward()
         got = {
             "loss": _dp_mean(loss),
             "grad_image": _dp_mean(image_full.grad),
             "grad_text": _dp_mean(text_full.grad),
             "grad_scale": _dp_mean(scale.grad),
-            "acc_i2t": _dp_mean(loss_fn.last_metrics["acc_i2t"]),
-            "acc_t2i": _dp_mean(loss_fn.last_metrics["acc_t2i"]),
+            "acc_i2t": _dp_mean(metrics["acc_i2t"]),
+            "acc_t2i": _dp_mean(metrics["acc_t2i"]),
             "interpreted": lk.interpreting(),
         }
         if bias is not None:
@@ -362,7 +363,7 @@ def _dist_results() -> list[dict]:
     return run_distributed(_dist_worker, 2, env={"TRITON_INTERPRET": "1"}, timeout_s=240)
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason=f"Triton is not importable: {lk.unavailable_reason()}")
+@pytest.mark.skipif(not HAVE_TRITON, reason=f"Triton is not importable: {_triton.unavailable_reason()}")
 @pytest.mark.parametrize("case", DIST_CASES, ids=lambda c: c.name)
 def test_world_size_2_matches_float64_reference_after_data_parallel_mean(case: Case) -> None:
     results = _dist_results()
@@ -428,12 +429,12 @@ def test_gpu_memory_stays_linear_in_the_batch(device: str) -> None:
     x = F.normalize(torch.randn(rows, dim, device=device), dim=1).bfloat16().requires_grad_()
     y = F.normalize(torch.randn(rows, dim, device=device), dim=1).bfloat16().requires_grad_()
     scale = torch.tensor(100.0, device=device, requires_grad=True)
-    ClipLoss(mode="fused")(x, y, scale).backward()  # compile outside the measurement
+    ClipLoss(mode="fused")(x, y, scale).loss.backward()  # compile outside the measurement
     x.grad = y.grad = scale.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    ClipLoss(mode="fused")(x, y, scale).backward()
+    ClipLoss(mode="fused")(x, y, scale).loss.backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     block = rows * rows * 4  # one fp32 logit block: 1 GiB

@@ -1,0 +1,554 @@
+"""The loader: DataLoader workers make batches, :class:`ClipLoader` merges them in a fixed order.
+
+How an epoch is laid out, how resume works and what happens to bad samples is described in
+:mod:`recipe.data`. Every function here reads one :class:`recipe.config.DataConfig`: training
+loaders its ``train_data``/``split``/``workers``, evaluation loaders its
+``val_data``/``val_split``/``eval_workers`` (and ``label_column``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import weakref
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from recipe.config import DataConfig
+
+from .decode import REPEATED, SKIP_REASONS, Sample, SampleDecoder, Tokenize, build_transform, clean_caption, collate
+from .formats import MAP_FORMATS, MapSource, RawSample, canonical_format, detect_format, expand_paths, open_map_source
+from .plans import Cursor, Layout, MapPlan, StreamPlan
+from .webdataset import StreamSource, open_stream_source
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------
+# sources
+# ----------------------------------------------------------------------------------------------
+
+
+def _label_column(cfg: DataConfig, train: bool) -> str | None:
+    """The label column an evaluation pass reads (None, or ``""`` in a config, means no labels)."""
+    return None if train else (cfg.label_column or None)
+
+
+def open_source(cfg: DataConfig, train: bool = True) -> MapSource | StreamSource:
+    """Open and validate the training data of ``cfg`` or, with ``train=False``, its validation data.
+
+    Training reads ``train_data`` (``split`` of a multi-split directory, ``num_samples`` of
+    webdataset shards), never labels; evaluation reads ``val_data`` (``val_split``) and the
+    ``label_column`` when set. Both use the format, column, ``image_root``, separator and cache
+    settings.
+
+    Raises:
+        FileNotFoundError: The path (or all first image paths) do not exist.
+        ValueError: No ``val_data`` for evaluation, an unknown format or a wrong column name.
+    """
+    if train:
+        data, split = cfg.train_data, cfg.split
+    elif not cfg.val_data:
+        raise ValueError("no validation data: DataConfig.val_data is not set (--val-data); an eval loader needs it")
+    else:
+        data, split = cfg.val_data, cfg.val_split
+    paths = expand_paths(data)
+    fmt = canonical_format(cfg.data_format) if cfg.data_format else detect_format(paths)
+    labels = _label_column(cfg, train)
+    columns = dict(image_column=cfg.image_column, caption_column=cfg.caption_column, label_column=labels)
+    if fmt in MAP_FORMATS:
+        return open_map_source(paths, fmt, **columns, image_root=cfg.image_root, csv_separator=cfg.csv_separator,
+                               split=split, cache_dir=cfg.cache_dir)
+    return open_stream_source(paths, **columns, num_samples=cfg.num_samples if train else None)
+
+
+def read_captions(cfg: DataConfig, limit: int | None = None) -> Iterator[str]:
+    """Yield the usable captions of the training data (e.g. to train a tokenizer), skipping bad ones."""
+    count = 0
+    for value in open_source(cfg).captions():
+        caption, _ = clean_caption(value)
+        if caption is None:
+            continue
+        yield caption
+        count += 1
+        if limit is not None and count >= limit:
+            return
+
+
+# ----------------------------------------------------------------------------------------------
+# per-worker batch making
+# ----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _seeded(*entropy: int) -> Iterator[None]:
+    """Seed Python's and torch's CPU RNGs for one batch, restoring them afterwards."""
+    state = random.getstate()
+    seed = int(np.random.SeedSequence([int(e) for e in entropy]).generate_state(1)[0])
+    with torch.random.fork_rng(devices=[]):
+        random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(state)
+
+
+class _BatchProducer(IterableDataset):
+    """Runs in each DataLoader worker: reads, decodes and collates that worker's batches.
+
+    Yields items ``{"w", "i", "pos", "batch", "stats", "end"}``: ``i`` counts the worker's items,
+    ``pos`` is its stream position after the item, ``stats`` the skips met while making it. The
+    last item of every worker has ``end=True``.
+    """
+
+    def __init__(self, plan: MapPlan | StreamPlan, decoder: SampleDecoder, tokenize: Tokenize | None, log_limit: int):
+        self.plan = plan
+        self.layout = plan.layout
+        self.decoder = decoder
+        self.tokenize = tokenize
+        self.log_limit = log_limit
+        # set by ClipLoader before each DataLoader is made
+        self.epoch = 0
+        self.pass_index = 0
+        self.num_workers = 1
+        self.starts: dict[int, tuple[int, int] | None] = {}
+        self._logged = 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        w = info.id if info is not None else 0
+        k = self.num_workers
+        start = self.starts.get(w, (0, 0))
+        if start is None:  # this worker already finished in the restored position
+            return
+        i, pos = start
+        self._logged = 0
+        if isinstance(self.plan, MapPlan) and not self.layout.train:
+            yield from self._blocks(w, k, i)
+        elif isinstance(self.plan, MapPlan):
+            cursor, count = self.plan.cursor(self.epoch, w, k, pos)
+            yield from self._fill(w, k, i, cursor, max_batches=count, stop_at_lap_end=False)
+        elif self.layout.train:
+            yield from self._fill(w, k, i, self.plan.cursor(self.epoch, pos), max_batches=None, stop_at_lap_end=True)
+        else:
+            yield from self._stream_eval(w, i, self.plan.cursor(self.epoch, pos))
+
+    def _decode(self, raw: RawSample, repeated: bool, stats: Counter) -> Sample | None:
+        sample, reason, detail = self.decoder(raw)
+        if reason is None:
+            if repeated:
+                stats[REPEATED] += 1
+            return sample
+        if not repeated:
+            stats[reason] += 1
+            if self._logged < self.log_limit:
+                self._logged += 1
+                logger.warning("skipping sample %s (%s): %s", raw.key, reason, detail)
+        return None
+
+    def _item(self, w: int, i: int, pos: int, samples: list[Sample] | None, stats: Counter, end: bool = False) -> dict:
+        batch = collate(samples, self.tokenize, self.decoder.with_labels) if samples else None
+        return {"w": w, "i": i, "pos": pos, "batch": batch, "stats": dict(stats), "end": end}
+
+    def _fill(self, w: int, k: int, i: int, cursor: Cursor, max_batches: int | None, stop_at_lap_end: bool) -> Iterator:
+        stats: Counter = Counter()
+        last_good = cursor.pos
+        lay = self.layout
+        while max_batches is None or i < max_batches:
+            if stop_at_lap_end and cursor.lap0_done():
+                break
+            samples: list[Sample] = []
+            # Map-style worker w's i-th batch is block w + i*k whatever the worker count, so its
+            # augmentation seed is that block's index; a stream batch is known by (worker, item).
+            batch_id = (w + i * k, 0) if max_batches is not None else (w, i)
+            with _seeded(lay.seed, self.epoch, self.pass_index, lay.rank, *batch_id):
+                while len(samples) < lay.batch_size:
+                    got = cursor.next(wrap=True)
+                    if got is None:
+                        break
+                    raw, lap = got
+                    sample = self._decode(raw, lap > 0 or self.pass_index > 0, stats)
+                    if sample is not None:
+                        samples.append(sample)
+                        last_good = cursor.pos
+                    elif cursor.length is not None and cursor.pos - last_good > cursor.length:
+                        break  # a whole lap without one readable sample
+            if len(samples) < lay.batch_size:
+                break
+            yield self._item(w, i, cursor.pos, samples, stats)
+            stats = Counter()
+            i += 1
+        yield self._item(w, i, cursor.pos, None, stats, end=True)
+
+    def _stream_eval(self, w: int, i: int, cursor: Cursor) -> Iterator[dict]:
+        stats: Counter = Counter()
+        done = False
+        while not done:
+            samples: list[Sample] = []
+            while len(samples) < self.layout.batch_size:
+                got = cursor.next(wrap=False)
+                if got is None:
+                    done = True
+                    break
+                sample = self._decode(got[0], False, stats)
+                if sample is not None:
+                    samples.append(sample)
+            if samples:
+                yield self._item(w, i, cursor.pos, samples, stats)
+                stats = Counter()
+                i += 1
+        yield self._item(w, i, cursor.pos, None, stats, end=True)
+
+    def _blocks(self, w: int, k: int, i: int) -> Iterator[dict]:
+        blocks = self.plan.worker_blocks(self.epoch, w, k)
+        for j in range(i, len(blocks)):
+            stats: Counter = Counter()
+            rows = self.plan.source.rows(blocks[j])
+            samples = [s for raw in rows if (s := self._decode(raw, False, stats)) is not None]
+            yield self._item(w, j, j + 1, samples, stats)
+        yield self._item(w, len(blocks), len(blocks), None, Counter(), end=True)
+
+
+def _identity(item: Any) -> Any:
+    return item
+
+
+# ----------------------------------------------------------------------------------------------
+# the loader: ordered merge, epochs, resume, counts
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _WorkerState:
+    i: int = 0
+    pos: int = 0
+    ended: bool = False
+
+
+class ClipLoader:
+    """Iterable of collated batches with epochs, an exact resumable position and skip counts.
+
+    Iterating yields the rest of the current epoch; when the epoch is complete the loader moves
+    to the next one. Breaking out early keeps the position, and iterating again continues there.
+
+    Attributes:
+        train: Whether this is a training loader.
+        rank: This process's rank.
+        world_size: Number of ranks.
+        batch_size: Samples per batch.
+        seed: Seed of shuffling and augmentation.
+        num_workers: DataLoader worker processes used (after capping).
+        stats: Counts per skip reason (and ``repeated``) over all consumed batches, all epochs.
+        epoch_stats: The same for the current epoch.
+        description: Where the data comes from.
+        num_source_samples: Samples in the whole dataset (all ranks).
+    """
+
+    def __init__(self, producer: _BatchProducer, *, num_workers: int, prefetch_factor: int, pin_memory: bool):
+        self._producer = producer
+        layout = producer.layout
+        self.train, self.rank, self.world_size = layout.train, layout.rank, layout.world_size
+        self.batch_size, self.seed = layout.batch_size, layout.seed
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = pin_memory
+        self.description = producer.plan.source.description
+        self.num_source_samples = producer.plan.source.num_samples
+        self.stats: Counter = Counter()
+        self.epoch_stats: Counter = Counter()
+        self._epoch = 0
+        self._reset_position()
+        # A weak reference: the running generator (and with it the DataLoader workers) goes away
+        # as soon as the caller drops it, e.g. on ``break``, instead of waiting for the cyclic GC.
+        self._active: weakref.ref | None = None
+
+    # --- position -------------------------------------------------------------------------
+
+    def _reset_position(self) -> None:
+        self._pass = 0
+        self._emitted = 0
+        self._pass_emitted = 0
+        self._rr = 0
+        self._workers = [_WorkerState() for _ in range(max(1, self.num_workers))]
+        self.epoch_stats = Counter()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch belongs to."""
+        return self._epoch
+
+    @property
+    def batches_consumed(self) -> int:
+        """Batches of the current epoch already yielded."""
+        return self._emitted
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to ``epoch``; a no-op when already there, so a restored position is kept."""
+        if epoch != self._epoch:
+            self.close()
+            self._epoch = int(epoch)
+            self._reset_position()
+
+    def __len__(self) -> int:
+        """Batches per epoch: exact for training; for evaluation the number without skips."""
+        return self._producer.plan.num_batches
+
+    def _meta(self) -> dict[str, Any]:
+        """What an exact mid-epoch resume needs unchanged."""
+        layout = asdict(self._producer.layout)  # train, batch_size, rank, world_size, seed
+        return {**layout, "num_workers": self.num_workers, "num_source_samples": self.num_source_samples}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position (epoch, pass, batches consumed, per-worker read positions) and counts."""
+        return {
+            "epoch": self._epoch,
+            "pass": self._pass,
+            "batches": self._emitted,
+            "pass_batches": self._pass_emitted,
+            "next_worker": self._rr,
+            "workers": [asdict(s) for s in self._workers],
+            "stats": dict(self.stats),
+            "epoch_stats": dict(self.epoch_stats),
+            "meta": self._meta(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Restore a position saved by :meth:`state_dict` (or pick this rank's from a list).
+
+        A mid-epoch position needs the same world size, batch size, worker count, seed and data
+        size; at an epoch boundary only the epoch and counts are taken.
+
+        Raises:
+            ValueError: On a mismatch that makes an exact mid-epoch resume impossible.
+        """
+        if isinstance(state, Sequence) and not isinstance(state, Mapping):
+            if len(state) != self.world_size:
+                raise ValueError(f"got {len(state)} rank states for world_size={self.world_size}")
+            state = state[self.rank]
+        self.close()
+        mid_epoch = state["batches"] > 0 or state["pass"] > 0
+        if mid_epoch:
+            saved, here = state["meta"], self._meta()
+            diff = {k: (saved.get(k), v) for k, v in here.items() if saved.get(k) != v}
+            if diff:
+                raise ValueError(f"cannot resume mid-epoch: data loader settings changed (saved, now): {diff}")
+        self._epoch = int(state["epoch"])
+        self._reset_position()
+        self.stats = Counter(state.get("stats", {}))
+        if mid_epoch:
+            self._pass = int(state["pass"])
+            self._emitted = int(state["batches"])
+            self._pass_emitted = int(state["pass_batches"])
+            self._rr = int(state["next_worker"])
+            self._workers = [_WorkerState(**w) for w in state["workers"]]
+            self.epoch_stats = Counter(state.get("epoch_stats", {}))
+
+    def all_rank_state_dicts(self) -> list[dict[str, Any]]:
+        """Every rank's :meth:`state_dict` (a collective: call on all ranks)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return [self.state_dict()]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, self.state_dict())
+        return out
+
+    def global_stats(self) -> dict[str, int]:
+        """:attr:`stats` summed over all ranks (a collective when torch.distributed is initialised)."""
+        import torch.distributed as dist
+
+        keys = [*SKIP_REASONS, REPEATED]
+        if not (dist.is_available() and dist.is_initialized()):
+            return {k: int(self.stats.get(k, 0)) for k in keys}
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        t = torch.tensor([self.stats.get(k, 0) for k in keys], dtype=torch.int64, device=device)
+        dist.all_reduce(t)
+        return {k: int(v) for k, v in zip(keys, t.tolist())}
+
+    @property
+    def num_skipped(self) -> int:
+        """Samples skipped as bad on this rank, all epochs."""
+        return sum(self.stats.get(k, 0) for k in SKIP_REASONS)
+
+    # --- iteration ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the worker processes of an unfinished iteration (the position is kept)."""
+        if self._active is not None:
+            active, self._active = self._active(), None
+            if active is not None:
+                active.close()
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self.close()
+        if not self.train:  # an evaluation pass always starts from the beginning
+            self._reset_position()
+        gen = self._run()
+        self._active = weakref.ref(gen)
+        return gen
+
+    def _add_stats(self, stats: Mapping[str, int]) -> None:
+        self.stats.update(stats)
+        self.epoch_stats.update(stats)
+
+    def _finish_epoch(self) -> None:
+        skipped = {k: v for k, v in self.epoch_stats.items() if k in SKIP_REASONS and v}
+        repeated = self.epoch_stats.get(REPEATED, 0)
+        msg = (
+            f"data {self.description} rank {self.rank}/{self.world_size} epoch {self._epoch}: "
+            f"{self._emitted} batches, skipped {sum(skipped.values())} bad samples"
+        )
+        if skipped:
+            msg += " (" + ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) + ")"
+        if repeated:
+            msg += f", {repeated} samples repeated to fill batches"
+        (logger.warning if skipped else logger.info)(msg)
+        if self.train:
+            self._epoch += 1
+        self._reset_position()
+
+    def _next_worker(self) -> int:
+        n = len(self._workers)
+        for step in range(n):
+            w = (self._rr + step) % n
+            if not self._workers[w].ended:
+                return w
+        raise RuntimeError("no active worker")  # callers check first
+
+    def _run(self) -> Iterator[dict[str, Any]]:
+        producer = self._producer
+        target = producer.plan.num_batches
+        while True:
+            producer.epoch = self._epoch
+            producer.pass_index = self._pass
+            producer.num_workers = max(1, self.num_workers)
+            producer.starts = {w: (None if s.ended else (s.i, s.pos)) for w, s in enumerate(self._workers)}
+            prefetch = self.prefetch_factor if self.num_workers > 0 else None
+            dl = DataLoader(producer, batch_size=None, num_workers=self.num_workers, collate_fn=_identity,
+                            pin_memory=self.pin_memory, prefetch_factor=prefetch)
+            it = iter(dl)
+            buffer: dict[tuple[int, int], dict] = {}
+            try:
+                while not all(s.ended for s in self._workers):
+                    w = self._next_worker()
+                    state = self._workers[w]
+                    while (w, state.i) not in buffer:
+                        try:
+                            item = next(it)
+                        except StopIteration:
+                            raise RuntimeError(f"data worker {w} stopped before its end marker") from None
+                        buffer[(item["w"], item["i"])] = item
+                    item = buffer.pop((w, state.i))
+                    self._add_stats(item["stats"])
+                    self._rr = (w + 1) % len(self._workers)
+                    if item["end"]:
+                        state.ended = True
+                        continue
+                    state.i += 1
+                    state.pos = item["pos"]
+                    if item["batch"] is None:
+                        continue
+                    self._emitted += 1
+                    self._pass_emitted += 1
+                    batch = item["batch"]
+                    if self.train and self._emitted >= target:
+                        it = None
+                        self._finish_epoch()
+                        yield batch
+                        return
+                    yield batch
+            finally:
+                it = None
+                buffer.clear()
+            if not self.train:
+                self._finish_epoch()
+                return
+            if self._pass_emitted == 0:
+                raise RuntimeError(
+                    f"no readable samples in rank {self.rank}'s share of {self.description} "
+                    f"(skipped so far: {dict(self.epoch_stats)})"
+                )
+            logger.warning("rank %d's share of %s gave %d of %d batches in pass %d of epoch %d; reading it again",
+                           self.rank, self.description, self._emitted, target, self._pass, self._epoch)
+            self._pass += 1
+            self._pass_emitted = 0
+            self._rr = 0
+            self._workers = [_WorkerState() for _ in self._workers]
+
+
+# ----------------------------------------------------------------------------------------------
+# factories
+# ----------------------------------------------------------------------------------------------
+
+
+def _build_loader(cfg: DataConfig, tokenize: Tokenize | None, image_data_config: Mapping[str, Any],
+                  layout: Layout) -> ClipLoader:
+    workers_field = "workers" if layout.train else "eval_workers"
+    workers = getattr(cfg, workers_field)
+    if workers < 0:
+        raise ValueError(f"{workers_field} must be >= 0, got {workers}")
+    source = open_source(cfg, train=layout.train)
+    with_labels = _label_column(cfg, layout.train) is not None
+    decoder = SampleDecoder(build_transform(image_data_config, layout.train, cfg), with_labels=with_labels)
+    if isinstance(source, MapSource):
+        plan: MapPlan | StreamPlan = MapPlan(source, layout)
+    else:
+        plan = StreamPlan(source, layout, cfg.shuffle_buffer)
+    producer = _BatchProducer(plan, decoder, tokenize, cfg.log_bad_samples)
+    num_workers = min(workers, max(1, plan.max_workers()))
+    return ClipLoader(producer, num_workers=num_workers, prefetch_factor=cfg.prefetch_factor,
+                      pin_memory=cfg.pin_memory)
+
+
+def build_train_loader(cfg: DataConfig, tokenize: Tokenize | None, image_data_config: Mapping[str, Any],
+                       batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0) -> ClipLoader:
+    """Training loader over ``cfg.train_data``: this rank's shuffled share, random resized crops.
+
+    Every rank yields ``len(loader)`` batches of exactly ``batch_size`` samples per epoch. Reads
+    ``train_data``, ``split``, ``workers`` (capped by the batches, or by this rank's shard count
+    for webdataset), ``shuffle_buffer``, ``num_samples`` and the augmentation fields of ``cfg``;
+    never labels.
+
+    Args:
+        cfg: Dataset and loading settings.
+        tokenize: ``tokenize(list[str]) -> {"input_ids": [B, L], "attention_mask": [B, L]}``;
+            None to get captions only.
+        image_data_config: timm data config of the image tower (``input_size``, ``mean``,
+            ``std``, ``interpolation``, ``crop_pct``, ...).
+        batch_size: Per-rank batch size.
+        rank: This process's rank.
+        world_size: Number of ranks.
+        seed: Seed of the shuffling and augmentation (same on all ranks).
+
+    Raises:
+        FileNotFoundError: Missing data path.
+        ValueError: Wrong column name, unknown format, or too little data for one batch per rank.
+    """
+    return _build_loader(cfg, tokenize, image_data_config, Layout(True, batch_size, rank, world_size, seed))
+
+
+def build_eval_loader(cfg: DataConfig, tokenize: Tokenize | None, image_data_config: Mapping[str, Any],
+                      batch_size: int, rank: int = 0, world_size: int = 1) -> ClipLoader:
+    """Evaluation loader over ``cfg.val_data``: this rank's contiguous share in order, centre crops.
+
+    Reads ``val_data``, ``val_split`` and ``eval_workers``; batches carry ``labels`` when
+    ``cfg.label_column`` is set. The last batch may be short and bad samples are skipped
+    (counted), never replaced.
+
+    Args: as :func:`build_train_loader`, without ``seed``.
+
+    Raises:
+        ValueError: ``cfg.val_data`` is not set; otherwise as :func:`build_train_loader`.
+    """
+    return _build_loader(cfg, tokenize, image_data_config, Layout(False, batch_size, rank, world_size))
+
+
+__all__ = ["ClipLoader", "build_eval_loader", "build_train_loader", "open_source", "read_captions"]

@@ -1,0 +1,251 @@
+"""Sharded gathered-embedding contrastive (CLIP) loss, exact at every world size.
+
+With ``N`` data-parallel ranks holding ``M_r`` image-text pairs each (``B = sum(M_r)``), every rank
+all-gathers the image and text embeddings, computes only its own ``M_r x B`` block in each direction
+(local images against all texts, local texts against all images) with targets offset by the number
+of rows held by lower ranks, and returns its share of the full ``B x B`` loss::
+
+    loss_r = N / B * sum_{local rows i} (CE_i2t(i) + CE_t2i(i)) / 2
+
+so that the data-parallel *mean* over ranks (what DeepSpeed and DDP do with gradients) is exactly the
+full-batch loss ``mean_i (CE_i2t(i) + CE_t2i(i)) / 2``. With equal local batches ``N / B = 1 / M``,
+i.e. each rank returns the mean over its local rows.
+
+The all-gather carries a full backward: the gradient of the gathered tensor is reduce-scattered
+(summed) to the rank that owns each row. The gradient a rank sees for its local features is therefore
+``sum_s d loss_s / d x_r = N * d loss_full / d x_r``, and after the data-parallel mean of the parameter
+gradients (the ``1 / N``) every parameter gradient equals the gradient of the full-batch loss. The
+logit scale (and bias) are not gathered: their per-rank gradients are ``d loss_r / d s`` and their
+data-parallel mean is ``d loss_full / d s``.
+
+Ranks with **different local batch sizes are handled exactly** (not rejected): the local sizes are
+exchanged with one small all-gather per call, the features are padded to the largest local size for
+the collective and unpadded afterwards, targets are offset by the sizes of the lower ranks, and the
+``N / B`` weight above keeps the data-parallel mean equal to the full-batch loss. The size exchange
+is one tiny collective plus a host synchronisation per call; it also carries a flag for non-finite
+inputs, so that every rank raises the same ``ValueError`` instead of one rank raising and the others
+hanging in the next collective. A caller that knows every rank's size (the training loop: every
+rank's loader yields exactly the micro-batch) passes ``sizes=`` with ``validate=False`` and the
+exchange, with its synchronisation, is skipped.
+
+Three modes are provided (see :data:`LOSS_MODES`; a new mode is one more entry in that dict):
+
+* ``"plain"``: materialises the two ``M x B`` logit blocks in fp32 and uses ``F.cross_entropy``.
+* ``"chunked"``: a custom :class:`torch.autograd.Function` computes each row's log-sum-exp over the
+  gathered side in tiles of ``chunk_size x chunk_size`` with an online (running max) log-sum-exp, and
+  its backward recomputes each tile. Extra memory is ``O(min(M, chunk)·chunk + B·D)``: the ``M x B``
+  block is never materialised.
+* ``"fused"``: Triton kernels streaming tiles of the block with online row (and, at world size 1,
+  column) log-sum-exp statistics and a tile-recomputing backward; see :mod:`recipe.loss.fused`.
+
+Numerics (every mode): logits, log-sum-exp, softmax and the logit-scale gradient are computed in
+fp32 whatever the feature dtype (:mod:`recipe.loss.matmul`), so a logit scale of 100 with fp16
+features neither overflows nor loses the logits' precision; for fp32 features the modes are exact to
+fp32 rounding.
+
+A scalar ``logit_bias`` (SigLIP style) is added to every logit in both modes. Softmax cross-entropy
+is invariant to a constant added to all logits of a row, so the bias changes neither the loss nor the
+feature gradients and its own gradient is zero (exactly zero in the chunked mode, fp32 rounding in the
+plain mode); it is accepted so that models carrying a bias can share the loss call.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .base import GatheredBatch, ModeFn, ModeOutput
+from .chunked import chunked_mode
+from .gather import all_gather_single, all_gather_with_grad, world_and_rank
+from .matmul import MatmulF32, no_autocast
+
+__all__ = ["ClipLoss", "LossResult", "LOSS_MODES"]
+
+
+def plain_mode(batch: GatheredBatch, scale: Tensor, bias: Tensor | None, chunk_size: int) -> ModeOutput:
+    """Materialises both ``M x B`` fp32 logit blocks; ``chunk_size`` is unused."""
+    del chunk_size
+    targets = batch.targets()
+    out = []
+    for local, other in ((batch.image, batch.all_text), (batch.text, batch.all_image)):
+        logits = MatmulF32.apply(local, other.mT) * scale
+        if bias is not None:
+            logits = logits + bias
+        ce = F.cross_entropy(logits, targets, reduction="none")
+        out.append((ce, logits.detach().argmax(dim=1) == targets))
+    return ModeOutput(out[0][0], out[1][0], out[0][1], out[1][1])
+
+
+def fused_mode(batch: GatheredBatch, scale: Tensor, bias: Tensor | None, chunk_size: int) -> ModeOutput:
+    """Fused tiled Triton kernels (:mod:`recipe.loss.fused`, imported on first use: it imports Triton)."""
+    from .fused import fused_mode as run
+
+    return run(batch, scale, bias, chunk_size)
+
+
+#: Loss modes by name. A new implementation is one more entry (and its name in
+#: ``recipe.config.LOSS_MODE_NAMES``).
+LOSS_MODES: dict[str, ModeFn] = {"plain": plain_mode, "chunked": chunked_mode, "fused": fused_mode}
+
+
+class LossResult(NamedTuple):
+    """What a contrastive loss returns: ``loss, metrics = loss_fn(...)``.
+
+    Attributes:
+        loss: This rank's share of the full-batch loss (scalar fp32, differentiable); the mean over
+            ranks is the full-batch loss.
+        metrics: Detached fp32 scalars in the same convention (their mean over ranks is the
+            full-batch value): ``acc_i2t`` (images whose most similar text is their own) and
+            ``acc_t2i``.
+    """
+
+    loss: Tensor
+    metrics: dict[str, Tensor]
+
+
+def _as_scalar(value: Tensor | float, name: str, device: torch.device) -> Tensor:
+    t = torch.as_tensor(value, device=device)
+    if t.numel() != 1:
+        raise ValueError(f"{name} must hold a single value, got shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        t = t.double()
+    return t.float().reshape(())
+
+
+class ClipLoss(nn.Module):
+    """CLIP's symmetric contrastive loss over the embeddings gathered from all ranks.
+
+    Call ``loss, metrics = loss_fn(image_features, text_features, logit_scale, logit_bias=None)`` on
+    every rank of the group with that rank's features; ``loss`` is this rank's share of the
+    full-batch loss such that the mean over ranks is the full-batch loss and the data-parallel mean
+    of the gradients is the full-batch gradient (see the module docstring); ``metrics`` holds the
+    accuracies (:class:`LossResult`). Ranks may hold different numbers of pairs.
+
+    Args:
+        mode: A key of :data:`LOSS_MODES` (``"plain"``, ``"chunked"`` or ``"fused"``: Triton kernels
+            on CUDA tensors, see :mod:`recipe.loss.fused`).
+        chunk_size: Tile edge of the chunked mode; caps the tile edge of the fused mode.
+        group: Process group; ``None`` for the default group (or no torch.distributed at all).
+        validate: Check that inputs are finite; costs one host synchronisation at world size 1 (at
+            larger sizes the check rides on the size exchange). A non-finite input raises
+            ``ValueError`` on every rank.
+    """
+
+    def __init__(
+        self,
+        mode: str = "plain",
+        chunk_size: int = 4096,
+        group: dist.ProcessGroup | None = None,
+        validate: bool = True,
+    ) -> None:
+        super().__init__()
+        if mode not in LOSS_MODES:
+            raise ValueError(f"unknown ClipLoss mode {mode!r}; available: {sorted(LOSS_MODES)}")
+        if int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        self.mode = mode
+        self.chunk_size = int(chunk_size)
+        self.group = group
+        self.validate = validate
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return f"mode={self.mode!r}, chunk_size={self.chunk_size}"
+
+    def forward(
+        self,
+        image_features: Tensor,
+        text_features: Tensor,
+        logit_scale: Tensor | float,
+        logit_bias: Tensor | float | None = None,
+        sizes: list[int] | None = None,
+    ) -> LossResult:
+        """Computes this rank's share of the loss and its accuracies.
+
+        Args:
+            image_features: Local, L2-normalised image embeddings ``(M, D)``.
+            text_features: Local, L2-normalised text embeddings ``(M, D)``, pair ``i`` matching image
+                ``i``; same dtype and device.
+            logit_scale: The multiplier (already exponentiated), a single value.
+            logit_bias: Optional single value added to every logit.
+            sizes: Every rank's number of pairs in rank order, when the caller knows them; with
+                ``validate=False`` this skips the size exchange and its host synchronisation.
+
+        Returns:
+            ``(loss, metrics)``, a :class:`LossResult`.
+
+        Raises:
+            ValueError: Malformed inputs, non-finite inputs (``validate``), an empty local batch or
+                mismatched feature dimensions/dtypes across ranks (raised on every rank).
+        """
+        image, text = image_features, text_features
+        if image.dim() != 2 or image.shape != text.shape:
+            raise ValueError(
+                f"image and text features must both be (M, D); got {tuple(image.shape)} and {tuple(text.shape)}"
+            )
+        if image.dtype != text.dtype or image.device != text.device or not image.is_floating_point():
+            raise ValueError(
+                f"image and text features must share a floating dtype and device; got "
+                f"{image.dtype}/{image.device} and {text.dtype}/{text.device}"
+            )
+        scale = _as_scalar(logit_scale, "logit_scale", image.device)
+        bias = None if logit_bias is None else _as_scalar(logit_bias, "logit_bias", image.device)
+
+        world, rank = world_and_rank(self.group)
+        bad = None
+        if self.validate:
+            finite = torch.isfinite(image).all() & torch.isfinite(text).all() & torch.isfinite(scale)
+            if bias is not None:
+                finite = finite & torch.isfinite(bias)
+            bad = ~finite
+        if sizes is not None and (len(sizes) != world or sizes[rank] != image.shape[0]):
+            raise ValueError(f"sizes {sizes} do not match world size {world} / local rows {image.shape[0]}")
+        if world == 1:
+            if image.shape[0] == 0:
+                raise ValueError("empty local batch")
+            # host sync only when asked to validate: the error must come before the loss is used
+            if bad is not None and bool(bad):
+                raise ValueError("non-finite values in the contrastive loss inputs")
+            sizes, all_image, all_text = [image.shape[0]], image, text
+        else:
+            if sizes is None or self.validate:
+                sizes = self._exchange_meta(image, bad, world)
+            elif 0 in sizes:  # every rank holds the same sizes: all raise, none hangs
+                raise ValueError(f"empty local batch on rank(s) {[r for r, m in enumerate(sizes) if m == 0]}")
+            all_image, all_text = all_gather_with_grad(image, text, group=self.group, sizes=sizes)
+
+        batch = GatheredBatch(image, text, all_image, all_text, sum(sizes[:rank]))
+        with no_autocast(image.device):  # keep the fp32 logits even inside an autocast region
+            out = LOSS_MODES[self.mode](batch, scale, bias, self.chunk_size)
+        weight = world / sum(sizes)
+        loss = (out.ce_i2t.sum() + out.ce_t2i.sum()) * (weight / 2)
+        metrics = {
+            "acc_i2t": out.correct_i2t.sum().float() * weight,
+            "acc_t2i": out.correct_t2i.sum().float() * weight,
+        }
+        return LossResult(loss, metrics)
+
+    def _exchange_meta(self, image: Tensor, bad: Tensor | None, world: int) -> list[int]:
+        """All-gathers (rows, dim, dtype, non-finite flag) and raises the same error on every rank."""
+        dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+        code = dtypes.index(image.dtype) if image.dtype in dtypes else len(dtypes)
+        mine = torch.tensor([image.shape[0], image.shape[1], code, 0], dtype=torch.int64, device=image.device)
+        if bad is not None:
+            mine[3] = bad.to(torch.int64)
+        table = torch.empty(world, 4, dtype=torch.int64, device=image.device)
+        all_gather_single(table, mine[None], self.group)
+        # host sync: sizes shape the gathered tensors, and every rank must raise the same error
+        rows = table.tolist()
+        if len({r[1] for r in rows}) > 1 or len({r[2] for r in rows}) > 1:
+            per_rank = [r[1:3] for r in rows]
+            raise ValueError(f"feature dim/dtype differ across ranks: (dim, dtype code) per rank = {per_rank}")
+        empty = [i for i, r in enumerate(rows) if r[0] == 0]
+        if empty:
+            raise ValueError(f"empty local batch on rank(s) {empty}")
+        nonfinite = [i for i, r in enumerate(rows) if r[3]]
+        if nonfinite:
+            raise ValueError(f"non-finite values in the contrastive loss inputs on rank(s) {nonfinite}")
+        return [r[0] for r in rows]

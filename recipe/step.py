@@ -1,0 +1,178 @@
+"""One optimizer step of the recipe, and the one owner of "finite or not, skip or stop".
+
+:func:`train_step` runs the forward and backward passes of one optimizer step's micro-batches
+through the DeepSpeed engine, the precision route's unscale and clip (fp16), the optimizer step, and
+then decides: a step whose loss or gradients are not finite is skipped and counted, on the fp16 route
+an overflow shrinks the loss scale, and too many non-finite steps in a row stop the run. The
+training loop (:mod:`recipe.train`) and the benchmarks (``benchmarks/``) call this same function.
+
+Host synchronisations: none before the optimizer step is queued (the non-finite flag of the losses
+and, on the fp16 route, the gradient multiplier are device tensors handed to SRAdamW, which folds in
+its own gradient check on the device); one per optimizer step afterwards, where the outcome is read
+(:func:`read_outcome`), because skipping changes host state (counters, the loss scale of the next
+step, the stop decision). DeepSpeed's ZeRO step synchronises on its own (overflow check, norm).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from optim import SRAdamW
+
+from .distributed import max_over_ranks_, rank_world
+from .loss import ClipLoss
+from .precision import Precision, allreduce_gradients
+
+__all__ = ["TrainState", "StepResult", "train_step", "record_skip", "step_kwargs", "grad_multiplier"]
+
+
+@dataclass
+class TrainState:
+    """Counters that travel in the checkpoint."""
+
+    step: int = 0
+    samples: int = 0
+    nonfinite_steps: int = 0  # skipped: non-finite loss (or non-finite gradients outside fp16)
+    nonfinite_in_row: int = 0
+    overflow_steps: int = 0  # fp16: skipped by dynamic loss scaling
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step returns.
+
+    Attributes:
+        loss: This rank's loss, mean over the step's micro-batches (detached device scalar).
+        metrics: The loss's metrics (accuracies), mean over the micro-batches (device scalars).
+        skipped: The optimizer step was skipped (non-finite loss or gradients, or fp16 overflow).
+        loss_nonfinite: The loss of some micro-batch was not finite on some rank.
+        samples: Pairs this step trained on, all ranks.
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+    skipped: bool
+    loss_nonfinite: bool
+    samples: int
+
+
+@contextlib.contextmanager
+def step_kwargs(opt: SRAdamW, **kwargs: Any) -> Iterator[None]:
+    """Makes DeepSpeed's argument-less ``optimizer.step()`` pass ``kwargs`` (found_inf, inverse scale)."""
+    opt.step = functools.partial(type(opt).step, opt, **kwargs)
+    try:
+        yield
+    finally:
+        del opt.step
+
+
+def grad_multiplier(module: torch.nn.Module, prec: Precision) -> torch.Tensor:
+    """fp16 route: inverse loss scale times the clipping factor of the unscaled global norm, as a
+    device scalar (no host read; a non-finite norm makes the optimizer's gradient check skip)."""
+    inv = 1.0 / prec.loss_scaler.scale
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    if prec.recipe_clip <= 0 or not grads:
+        return torch.tensor(inv, dtype=torch.float32, device=device)
+    sq = torch.stack([(g.float() * inv).pow(2).sum().double() for g in grads]).sum()
+    factor = (prec.recipe_clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+    return (inv * factor).float()
+
+
+def record_skip(state: TrainState, prec: Precision, skipped: bool, loss_nonfinite: bool, limit: int) -> None:
+    """Counts a skipped step and updates the loss scale; stops after ``limit`` non-finite steps in a row.
+
+    On the fp16 route a step skipped with a finite loss is the loss scaler's overflow (counted in
+    ``overflow_steps``), not a bad loss.
+
+    Raises:
+        FloatingPointError: ``limit`` non-finite steps in a row.
+    """
+    overflow = skipped and prec.loss_scaler is not None and not loss_nonfinite
+    nonfinite = skipped and not overflow
+    if prec.loss_scaler is not None:
+        prec.loss_scaler.update(skipped)
+    state.overflow_steps += int(overflow)
+    state.nonfinite_steps += int(nonfinite)
+    state.nonfinite_in_row = state.nonfinite_in_row + 1 if nonfinite else 0
+    if state.nonfinite_in_row >= limit:
+        raise FloatingPointError(
+            f"{state.nonfinite_in_row} non-finite steps in a row at step {state.step}: stopping "
+            "(loss or gradients are inf/NaN; lower the learning rate or check the data)"
+        )
+
+
+def train_step(
+    engine: Any,
+    opt: torch.optim.Optimizer,
+    loss_fn: ClipLoss,
+    prec: Precision,
+    batches: Iterable[dict[str, Any]],
+    state: TrainState,
+    max_nonfinite_in_row: int,
+    after_backward: Callable[[list[torch.Tensor]], None] | None = None,
+) -> StepResult:
+    """One optimizer step over ``batches`` (the step's micro-batches, ``gradient_accumulation_steps``
+    of them), then the skip/stop decision recorded in ``state`` (:func:`record_skip`).
+
+    Every rank's batches must hold the same number of pairs (the recipe's loaders guarantee it), so
+    the loss needs no size exchange. ``after_backward(live)`` runs after the last backward pass and
+    before the optimizer step, with the tensors the step itself still holds (losses, metrics); the
+    memory benchmark measures there. An optimizer other than SRAdamW (a benchmark's comparison arm)
+    is stepped without the recipe's flags; DeepSpeed's overflow check still guards it.
+
+    Raises:
+        FloatingPointError: Too many non-finite steps in a row.
+    """
+    device = next(engine.module.parameters()).device
+    world = rank_world()[1]
+    losses: list[torch.Tensor] = []
+    metrics: list[dict[str, torch.Tensor]] = []
+    samples = 0
+    batches = list(batches)
+    for i, batch in enumerate(batches):
+        pixels = batch["pixel_values"].to(device, prec.param_dtype)
+        image, text, scale = engine(pixels, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        loss, m = loss_fn(image, text, scale, sizes=[image.shape[0]] * world)
+        engine.backward(loss * prec.loss_scaler.scale if prec.loss_scaler else loss)
+        losses.append(loss.detach())
+        metrics.append(m)
+        samples += image.shape[0] * world
+        del pixels, image, text, scale, loss
+        if i < len(batches) - 1:
+            engine.step()  # DeepSpeed counts micro-steps: the update happens at the accumulation boundary
+    if after_backward is not None:
+        after_backward([*losses, *(v for m in metrics for v in m.values())])
+    loss_flag = max_over_ranks_((~torch.isfinite(torch.stack(losses))).any().float().reshape(1))
+    kwargs: dict[str, Any] = {"found_inf": loss_flag}
+    if prec.loss_scaler is not None:
+        allreduce_gradients(list(engine.module.parameters()))
+        kwargs["inv_grad_scale"] = grad_multiplier(engine.module, prec)
+    ours = isinstance(opt, SRAdamW)
+    skipped_before = opt.skipped_steps if ours else 0
+    with step_kwargs(opt, **kwargs) if ours else contextlib.nullcontext():
+        engine.step()
+    loss_nonfinite, skipped = read_outcome(engine, opt, loss_flag, skipped_before)
+    record_skip(state, prec, skipped, loss_nonfinite, max_nonfinite_in_row)
+    state.step += 1
+    state.samples += samples
+    mean = {k: torch.stack([m[k] for m in metrics]).mean() for k in metrics[0]}
+    return StepResult(torch.stack(losses).mean(), mean, skipped, loss_nonfinite, samples)
+
+
+def read_outcome(
+    engine: Any, opt: torch.optim.Optimizer, loss_flag: torch.Tensor, skipped_before: int
+) -> tuple[bool, bool]:
+    """``(loss_nonfinite, skipped)`` of the step just queued: skipped by SRAdamW (non-finite loss or
+    gradients) or by DeepSpeed's ZeRO overflow check before it (DeepSpeed then never calls SRAdamW)."""
+    # host sync, once per step: the skip changes host state (counters, next loss scale, stop)
+    loss_nonfinite = bool(loss_flag.item())
+    # reading skipped_steps settles SRAdamW's device-side skip of this step (same synchronisation)
+    by_optimizer = getattr(opt, "skipped_steps", 0) > skipped_before
+    skipped = loss_nonfinite or by_optimizer or bool(getattr(engine.optimizer, "overflow", False))
+    return loss_nonfinite, skipped
