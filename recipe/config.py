@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
                 elem = typing.get_args(tp)[0]
                 kw.update(nargs=len(typing.get_args(tp)), type=elem, metavar=elem.__name__.upper())
             else:
-                kw["type"] = _optional(tp) if optional else tp
+                kw.update(type=_optional(tp) if optional else tp, metavar=f.name.upper())
             group.add_argument(*flags, **kw)
     ap.add_argument(
         "--config", default=None, help="JSON file of a TrainConfig (e.g. a run's config.json); flags override it"
