@@ -1,16 +1,34 @@
 #!/usr/bin/env bash
 # Thin wrapper over the `deepspeed` launcher. Examples:
-#   bash launch.sh                                   # CPU (2 ranks) or all local GPUs: synthetic data, small CLIP
+#   bash launch.sh                                   # the demo: synthetic data, small CLIP, CPU (2 ranks) or all GPUs
+#   bash launch.sh --steps 100 --loss-mode chunked   # the demo with some of its settings changed
 #   NUM_GPUS=8 DS_CONFIG=ds_configs/zero2_bf16_halfmaster.json bash launch.sh \
 #       --preset ViT-B-32 --train-data /data/cc3m/train.csv --val-data /data/cc3m/val.csv --epochs 32
+#   bash launch.sh --output-dir runs/demo --resume latest      # continue a run with its own settings
 #   HOSTFILE=hostfile bash launch.sh --train-data 's3-mounted/shards-{0000..0999}.tar' --data-format webdataset
-# Every argument is passed through to `python -m recipe.train` (see `python -m recipe.train --help`).
+# Every argument goes to `python -m recipe.train` (`bash launch.sh --help` lists them). Relative paths
+# are taken from the directory you run this from. Without --train-data (or --config / --resume) the
+# demo's settings are the defaults and your arguments override them.
+# Environment: NUM_GPUS, DS_CONFIG, OUTPUT_DIR, DATA_DIR (demo data), HOSTFILE, MASTER_ADDR, MASTER_PORT.
+# SIGTERM (preemption) makes every rank save a checkpoint at the next step boundary and exit (code 143);
+# SIGINT (Ctrl-C) stops every rank at once.
 set -euo pipefail
-cd "$(dirname "$0")"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export TOKENIZERS_PARALLELISM=false
 
-DS_CONFIG=${DS_CONFIG:-ds_configs/zero2_bf16_halfmaster.json}
-DATA_DIR=${DATA_DIR:-data/synthetic}
-OUTPUT_DIR=${OUTPUT_DIR:-runs/synthetic-$(date +%Y%m%d-%H%M%S)}
+has() {  # has FLAG ARGS...: whether FLAG (or FLAG=value) is among ARGS
+  local flag=$1 a
+  shift
+  for a in "$@"; do [[ $a == "$flag" || $a == "$flag="* ]] && return 0; done
+  return 1
+}
+
+if has --help "$@" || has -h "$@"; then
+  python -m recipe.train --help
+  exit 0
+fi
+
 if python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   NUM_GPUS=${NUM_GPUS:-$(python -c 'import torch; print(torch.cuda.device_count())')}
 else
@@ -18,20 +36,49 @@ else
   NUM_GPUS=${NUM_GPUS:-2}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
-export TOKENIZERS_PARALLELISM=false
 
-launcher=(deepspeed --no_local_rank)
+args=()
+resuming=false
+if has --resume "$@" || has --config "$@"; then resuming=true; fi
+# the run's own DeepSpeed JSON when resuming (from its config.json), the default otherwise
+if [[ -n ${DS_CONFIG:-} ]] || ! $resuming; then
+  args+=(--deepspeed_config "${DS_CONFIG:-$REPO/ds_configs/zero2_bf16_halfmaster.json}")
+fi
+if ! has --output-dir "$@"; then
+  args+=(--output-dir "${OUTPUT_DIR:-runs/synthetic-$(date +%Y%m%d-%H%M%S)}")
+fi
+if ! has --train-data "$@" && ! $resuming; then
+  # the demo: a synthetic dataset written once, a small CLIP trained on it, evaluated on its held-out split
+  DATA_DIR=${DATA_DIR:-$REPO/data/synthetic}
+  [ -f "$DATA_DIR/train.csv" ] || python -m recipe.synthetic --out "$DATA_DIR" --n 6000 --image-size 32
+  args+=(--preset tiny --train-data "$DATA_DIR/train.csv" --val-data "$DATA_DIR/val.csv"
+         --steps 400 --lr 2e-3 --warmup-steps 30 --eval-every 200 --log-every 50)
+fi
+
+launcher=(deepspeed --no_local_rank --log_level critical)  # the ranks report their own errors
 if [ -n "${HOSTFILE:-}" ]; then
   launcher+=(--hostfile "$HOSTFILE" ${MASTER_ADDR:+--master_addr "$MASTER_ADDR"})
 else
   launcher+=(--num_gpus "$NUM_GPUS")
 fi
+if [ -z "${MASTER_PORT:-}" ] && [ -z "${HOSTFILE:-}" ]; then  # a free local port: runs side by side never collide
+  MASTER_PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+fi
 launcher+=(${MASTER_PORT:+--master_port "$MASTER_PORT"})
 
-if [ "$#" -eq 0 ]; then
-  # the default job: write the synthetic dataset once, then train a small CLIP on it
-  [ -f "$DATA_DIR/train.csv" ] || python -m recipe.synthetic --out "$DATA_DIR" --n 6000 --image-size 32
-  set -- --preset tiny --train-data "$DATA_DIR/train.csv" --val-data "$DATA_DIR/val.csv" \
-         --steps 1000 --lr 2e-3 --warmup-steps 50 --eval-every 250 --log-every 50
-fi
-exec "${launcher[@]}" --module recipe.train --deepspeed_config "$DS_CONFIG" --output-dir "$OUTPUT_DIR" "$@"
+# The launcher runs in the background so that this script can pass SIGTERM/SIGINT on to the ranks
+# (the `deepspeed` runner does not forward them on a single node, leaving the ranks running).
+"${launcher[@]}" --module recipe.train "${args[@]}" "$@" &
+runner=$!
+forward() {  # the ranks are the children of the per-node launcher, itself a child of the runner
+  local sig=$1 node
+  for node in $(pgrep -P "$runner" || true); do pkill "-$sig" -P "$node" || true; done
+}
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+status=0
+while true; do
+  wait "$runner" && status=0 || status=$?
+  kill -0 "$runner" 2>/dev/null || break   # wait returns early when a trapped signal arrives
+done
+exit "$status"

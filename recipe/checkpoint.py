@@ -8,32 +8,53 @@ Layout of ``<run>/checkpoints``::
         rank00000.pt         this rank's client state: step, data position, RNG states
         model_weights.pt     the full module state dict (for ``python -m recipe.evaluate``)
         COMPLETE             written last, after every rank has finished (atomic rename)
+    step00000100.r1/         a later save of the same step (e.g. after resuming from an older one)
     latest                   the tag of the newest complete checkpoint (atomic rename)
 
-A save that dies midway leaves a tag directory without ``COMPLETE`` and ``latest`` still naming the
-previous tag, so ``--resume latest`` continues from the last good one. Loading a tag without
-``COMPLETE``, a missing directory or an unreadable file raises :class:`CheckpointError`.
+Guarantees:
+
+* A save never modifies or removes an existing checkpoint directory: it writes a new tag (the step,
+  or ``stepN.rK`` when that step was saved before), marks it ``COMPLETE`` once every rank has
+  written its files, points ``latest`` at it, and only then removes older saves of the same step.
+  A save that dies midway leaves a tag directory without ``COMPLETE`` and ``latest`` naming the
+  previous complete checkpoint.
+* A save that fails on any rank (a full disk, a permission error) fails on every rank with a
+  :class:`CheckpointError` naming the directory, and the previous checkpoint stays intact.
+* ``--resume latest`` takes the tag ``latest`` names; when ``latest`` is missing or names an
+  incomplete checkpoint while complete ones exist, the newest complete one, with a warning.
+  Loading a tag without ``COMPLETE``, a missing directory or an unreadable file raises
+  :class:`CheckpointError`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from .distributed import barrier, rank_world
+from .distributed import barrier, initialized, rank_world
 
-__all__ = ["CheckpointError", "save", "load", "resolve", "rng_state", "set_rng_state", "atomic_write_bytes"]
+__all__ = [
+    "CheckpointError", "save", "load", "resolve", "complete_checkpoints", "rng_state", "set_rng_state",
+    "atomic_write_bytes",
+]
+
+logger = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 MODEL_WEIGHTS = "model_weights.pt"
+_TAG = re.compile(r"step(\d{8})(?:\.r(\d+))?")
 
 
 class CheckpointError(RuntimeError):
@@ -82,8 +103,49 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def tag_for(step: int) -> str:
-    return f"step{step:08d}"
+def _parse_tag(name: str) -> tuple[int, int] | None:
+    """``(step, revision)`` of a tag name (``step00000100`` -> (100, 0), ``step00000100.r2`` -> (100, 2))."""
+    m = _TAG.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
+def new_tag(ckpt_dir: Path, step: int) -> str:
+    """A tag for a new save of ``step`` that names no existing directory."""
+    base = f"step{step:08d}"
+    taken = {p.name for p in ckpt_dir.iterdir()} if ckpt_dir.is_dir() else set()
+    if base not in taken:
+        return base
+    return next(f"{base}.r{k}" for k in range(1, len(taken) + 2) if f"{base}.r{k}" not in taken)
+
+
+def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Complete tag directories under ``ckpt_dir``, oldest first (by step, then revision)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(key, p) for p in ckpt_dir.iterdir() if (key := _parse_tag(p.name)) and (p / COMPLETE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def _agree(failed: BaseException | None, what: str) -> None:
+    """Raises the same :class:`CheckpointError` on every rank when any rank failed (no rank is left
+    waiting in a collective the failed one never reaches)."""
+    flag = torch.tensor([0 if failed is None else 1])
+    if initialized() and rank_world()[1] > 1:
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if int(flag.item()):  # host read: the decision is the host's
+        detail = f": {type(failed).__name__}: {failed}" if failed is not None else " on another rank"
+        raise CheckpointError(f"{what}{detail}") from failed
+
+
+def _broadcast_tag(tag: str) -> str:
+    if initialized() and rank_world()[1] > 1:
+        box = [tag]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return tag
 
 
 def save(engine: Any, ckpt_dir: str | os.PathLike, step: int, client_state: dict[str, Any]) -> Path:
@@ -91,39 +153,71 @@ def save(engine: Any, ckpt_dir: str | os.PathLike, step: int, client_state: dict
 
     Every rank must call it. ``client_state`` holds what differs between ranks (data position, RNG
     state) and is written to the tag's ``rankNNNNN.pt``; the shared state goes through DeepSpeed.
+    Existing checkpoints are never modified (see the module docstring).
 
     Returns:
         The tag directory.
+
+    Raises:
+        CheckpointError: Writing failed on some rank (on every rank, naming the directory); the
+            previous checkpoint is intact and ``latest`` still names it.
     """
     ckpt_dir = Path(ckpt_dir)
-    tag = tag_for(step)
+    rank = rank_world()[0]
+    error: BaseException | None = None
+    tag = ""
+    if rank == 0:
+        try:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            tag = new_tag(ckpt_dir, step)
+        except OSError as e:
+            error = e
+    _agree(error, f"cannot create checkpoint directory {ckpt_dir}")
+    tag = _broadcast_tag(tag)
     tag_dir = ckpt_dir / tag
-    if rank_world()[0] == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        if (tag_dir / COMPLETE).exists():  # re-saving a step: invalidate the old marker first
-            (tag_dir / COMPLETE).unlink()
-    barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
-    tag_dir.mkdir(parents=True, exist_ok=True)
-    if engine.zero_optimization_stage() == 3:
-        weights = engine._zero3_consolidated_16bit_state_dict()  # collective: every rank calls it
-    else:
-        weights = engine.module.state_dict() if rank_world()[0] == 0 else None
-    if rank_world()[0] == 0:
-        _atomic_torch_save({k: v.detach().cpu() for k, v in weights.items()}, tag_dir / MODEL_WEIGHTS)
-    _atomic_torch_save(client_state, tag_dir / f"rank{rank_world()[0]:05d}.pt")
-    barrier()  # every rank's files are on disk
-    if rank_world()[0] == 0:
-        meta = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "world_size": rank_world()[1]}
-        atomic_write_bytes(tag_dir / COMPLETE, json.dumps(meta).encode())
-        atomic_write_bytes(ckpt_dir / LATEST, tag.encode())
+    keep = f"; the previous checkpoint ({_latest_name(ckpt_dir)}) is intact"
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        if engine.zero_optimization_stage() == 3:
+            weights = engine._zero3_consolidated_16bit_state_dict()  # collective: every rank calls it
+        else:
+            weights = engine.module.state_dict() if rank == 0 else None
+        if rank == 0:
+            _atomic_torch_save({k: v.detach().cpu() for k, v in weights.items()}, tag_dir / MODEL_WEIGHTS)
+        _atomic_torch_save(client_state, tag_dir / f"rank{rank:05d}.pt")
+    except Exception as e:  # a full disk, a permission error, ...: every rank must learn of it
+        error = e
+    _agree(error, f"cannot write checkpoint {tag_dir}{keep}")  # every rank's files are on disk
+    if rank == 0:
+        try:
+            meta = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "world_size": rank_world()[1]}
+            atomic_write_bytes(tag_dir / COMPLETE, json.dumps(meta).encode())
+            atomic_write_bytes(ckpt_dir / LATEST, tag.encode())
+        except OSError as e:
+            error = e
+    _agree(error, f"cannot complete checkpoint {tag_dir}{keep}")
+    if rank == 0:  # older saves of this step are superseded now that a complete one exists
+        for old in ckpt_dir.iterdir():
+            if old != tag_dir and (_parse_tag(old.name) or (None,))[0] == step:
+                shutil.rmtree(old, ignore_errors=True)
     barrier()
     return tag_dir
 
 
+def _latest_name(ckpt_dir: Path) -> str:
+    try:
+        return (ckpt_dir / LATEST).read_text().strip() or "none"
+    except OSError:
+        return "none"
+
+
 def resolve(resume: str, ckpt_dir: str | os.PathLike) -> Path:
-    """The tag directory named by ``resume``: ``"latest"`` (from ``ckpt_dir``), a tag directory, or a
-    checkpoints directory holding ``latest``.
+    """The tag directory named by ``resume``: ``"latest"`` (from ``ckpt_dir``), a tag directory, a
+    checkpoints directory holding ``latest``, or a run directory.
+
+    When ``latest`` is missing or names an incomplete checkpoint but complete ones exist, the newest
+    complete one is returned with a warning.
 
     Raises:
         CheckpointError: When nothing complete is found there.
@@ -134,20 +228,25 @@ def resolve(resume: str, ckpt_dir: str | os.PathLike) -> Path:
         base = Path(resume)
         if (base / COMPLETE).exists():
             return base
+        if not base.exists():
+            raise CheckpointError(f"checkpoint not found: {base}")
+        if any(base.glob("rank*.pt")):
+            raise CheckpointError(f"checkpoint {base} is incomplete (no {COMPLETE} marker: the save was interrupted)")
+        if (base / "checkpoints").is_dir() and not (base / LATEST).exists():
+            base = base / "checkpoints"  # a run directory
+    named = base / _latest_name(base) if (base / LATEST).exists() else None
+    if named is not None and (named / COMPLETE).exists():
+        return named
+    complete = complete_checkpoints(base)
+    if complete:
+        why = f"'{LATEST}' names {named.name}, which is incomplete" if named else f"no '{LATEST}' file"
+        logger.warning("%s in %s: resuming from the newest complete checkpoint, %s", why, base, complete[-1].name)
+        return complete[-1]
+    if named is not None:
+        raise CheckpointError(f"checkpoint {named} is incomplete (no {COMPLETE} marker)")
     if not base.exists():
         raise CheckpointError(f"checkpoint not found: {base}")
-    latest = base / LATEST
-    if latest.exists():
-        tag_dir = base / latest.read_text().strip()
-    elif (base / "checkpoints" / LATEST).exists():
-        tag_dir = base / "checkpoints" / (base / "checkpoints" / LATEST).read_text().strip()
-    else:
-        if resume != "latest" and any(base.glob("rank*.pt")):
-            raise CheckpointError(f"checkpoint {base} is incomplete (no {COMPLETE} marker: the save was interrupted)")
-        raise CheckpointError(f"no complete checkpoint under {base} (no '{LATEST}' file)")
-    if not (tag_dir / COMPLETE).exists():
-        raise CheckpointError(f"checkpoint {tag_dir} is incomplete (no {COMPLETE} marker)")
-    return tag_dir
+    raise CheckpointError(f"no complete checkpoint under {base} (no '{LATEST}' file)")
 
 
 def load(engine: Any, tag_dir: str | os.PathLike) -> dict[str, Any]:

@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["MetricsLogger", "peak_memory_bytes"]
+from .checkpoint import atomic_write_bytes
+
+__all__ = ["MetricsLogger", "peak_memory_bytes", "truncate_metrics"]
 
 
 def peak_memory_bytes() -> int:
@@ -23,6 +25,24 @@ def peak_memory_bytes() -> int:
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
     except (ImportError, OSError):
         return 0
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Drops the rows of ``metrics.jsonl`` after ``last_step`` (a resumed run replays those steps),
+    atomically, so that no step and kind appears twice; returns how many rows were dropped."""
+    if not path.exists():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) <= last_step:
+                keep.append(line)
+        except ValueError:  # a line cut by a crash mid-write
+            continue
+    if len(keep) != len(lines):
+        atomic_write_bytes(path, "".join(k + "\n" for k in keep).encode())
+    return len(lines) - len(keep)
 
 
 def _clean(v: Any) -> Any:
@@ -51,11 +71,12 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir = Path(run_dir)
+        truncate_metrics(run_dir / "metrics.jsonl", start_step)  # a resumed run replays later steps
         self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
         except ImportError:  # tensorboard is an install requirement; tolerate its absence
             print("tensorboard is not installed: no TensorBoard logs", file=sys.stderr)
         from tqdm import tqdm

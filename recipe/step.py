@@ -52,6 +52,8 @@ class StepResult:
         skipped: The optimizer step was skipped (non-finite loss or gradients, or fp16 overflow).
         loss_nonfinite: The loss of some micro-batch was not finite on some rank.
         samples: Pairs this step trained on, all ranks.
+        stop: Some rank asked to stop (``stop_requested``, e.g. on SIGTERM): every rank sees the same
+            value, so all of them stop at this step boundary.
     """
 
     loss: torch.Tensor
@@ -59,6 +61,7 @@ class StepResult:
     skipped: bool
     loss_nonfinite: bool
     samples: int
+    stop: bool = False
 
 
 @contextlib.contextmanager
@@ -116,6 +119,7 @@ def train_step(
     state: TrainState,
     max_nonfinite_in_row: int,
     after_backward: Callable[[list[torch.Tensor]], None] | None = None,
+    stop_requested: bool = False,
 ) -> StepResult:
     """One optimizer step over ``batches`` (the step's micro-batches, ``gradient_accumulation_steps``
     of them), then the skip/stop decision recorded in ``state`` (:func:`record_skip`).
@@ -125,6 +129,8 @@ def train_step(
     before the optimizer step, with the tensors the step itself still holds (losses, metrics); the
     memory benchmark measures there. An optimizer other than SRAdamW (a benchmark's comparison arm)
     is stepped without the recipe's flags; DeepSpeed's overflow check still guards it.
+    ``stop_requested`` (this rank's wish to stop, e.g. on SIGTERM) travels in the same all-reduce as
+    the non-finite flag, so that every rank learns of any rank's wish at the same step.
 
     Raises:
         FloatingPointError: Too many non-finite steps in a row.
@@ -148,8 +154,9 @@ def train_step(
             engine.step()  # DeepSpeed counts micro-steps: the update happens at the accumulation boundary
     if after_backward is not None:
         after_backward([*losses, *(v for m in metrics for v in m.values())])
-    loss_flag = max_over_ranks_((~torch.isfinite(torch.stack(losses))).any().float().reshape(1))
-    kwargs: dict[str, Any] = {"found_inf": loss_flag}
+    nonfinite = (~torch.isfinite(torch.stack(losses))).any().float()
+    flags = max_over_ranks_(torch.stack([nonfinite, torch.tensor(float(stop_requested), device=nonfinite.device)]))
+    kwargs: dict[str, Any] = {"found_inf": flags[:1]}  # [loss non-finite, stop], on any rank
     if prec.loss_scaler is not None:
         allreduce_gradients(list(engine.module.parameters()))
         kwargs["inv_grad_scale"] = grad_multiplier(engine.module, prec)
@@ -157,22 +164,22 @@ def train_step(
     skipped_before = opt.skipped_steps if ours else 0
     with step_kwargs(opt, **kwargs) if ours else contextlib.nullcontext():
         engine.step()
-    loss_nonfinite, skipped = read_outcome(engine, opt, loss_flag, skipped_before)
+    loss_nonfinite, skipped, stop = read_outcome(engine, opt, flags, skipped_before)
     record_skip(state, prec, skipped, loss_nonfinite, max_nonfinite_in_row)
     state.step += 1
     state.samples += samples
     mean = {k: torch.stack([m[k] for m in metrics]).mean() for k in metrics[0]}
-    return StepResult(torch.stack(losses).mean(), mean, skipped, loss_nonfinite, samples)
+    return StepResult(torch.stack(losses).mean(), mean, skipped, loss_nonfinite, samples, stop)
 
 
 def read_outcome(
-    engine: Any, opt: torch.optim.Optimizer, loss_flag: torch.Tensor, skipped_before: int
-) -> tuple[bool, bool]:
-    """``(loss_nonfinite, skipped)`` of the step just queued: skipped by SRAdamW (non-finite loss or
-    gradients) or by DeepSpeed's ZeRO overflow check before it (DeepSpeed then never calls SRAdamW)."""
+    engine: Any, opt: torch.optim.Optimizer, flags: torch.Tensor, skipped_before: int
+) -> tuple[bool, bool, bool]:
+    """``(loss_nonfinite, skipped, stop)`` of the step just queued: skipped by SRAdamW (non-finite loss
+    or gradients) or by DeepSpeed's ZeRO overflow check before it (DeepSpeed then never calls SRAdamW)."""
     # host sync, once per step: the skip changes host state (counters, next loss scale, stop)
-    loss_nonfinite = bool(loss_flag.item())
+    loss_nonfinite, stop = (bool(v) for v in flags.tolist())
     # reading skipped_steps settles SRAdamW's device-side skip of this step (same synchronisation)
     by_optimizer = getattr(opt, "skipped_steps", 0) > skipped_before
     skipped = loss_nonfinite or by_optimizer or bool(getattr(engine.optimizer, "overflow", False))
-    return loss_nonfinite, skipped
+    return loss_nonfinite, skipped, stop

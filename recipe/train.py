@@ -6,26 +6,36 @@ Example (2 CPU ranks; `bash launch.sh` wraps this)::
         --deepspeed_config ds_configs/zero2_bf16_halfmaster.json --train-data data/synthetic/train.csv \\
         --val-data data/synthetic/val.csv --steps 300 --output-dir runs/demo
 
-The loop reads top to bottom: set up (run directory, tokenizer, model, engine, loader), then per
-optimizer step the learning rate, :func:`recipe.step.train_step` (forward, backward, step, and the
-skip/stop decision), logging, evaluation and checkpoints, each a named helper below.
+The loop reads top to bottom: set up (run directory and its lock, tokenizer, model, engine, loader,
+resume), then per optimizer step the learning rate, :func:`recipe.step.train_step` (forward,
+backward, step, and the skip/stop decision), logging, evaluation and checkpoints, each a named
+helper below. ``--resume latest`` continues a run from its saved ``config.json`` with only the
+flags given on the command line changed; SIGTERM saves a checkpoint at the next step boundary and
+exits with code 143 (:mod:`recipe.preempt`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import math
-import subprocess
+import os
+import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from . import checkpoint
+from .checkpoint import CheckpointError
 from .config import TrainConfig, parse_args
 from .data import build_eval_loader, build_train_loader, read_captions
-from .distributed import barrier, mean_over_ranks, rank_world
+from .distributed import barrier, initialized, mean_over_ranks, rank_world
 from .engine import build_engine, eval_module, init_distributed
 from .evaluate import evaluate, load_prompts
 from .loss import ClipLoss
@@ -33,19 +43,43 @@ from .memory import live_bytes_per_param
 from .metrics import MetricsLogger, peak_memory_bytes
 from .model import create_model
 from .optimizer import lr_at
-from .precision import Precision, resolve_precision
+from .precision import ConfigError, Precision, resolve_precision
+from .preempt import PREEMPTED_EXIT_CODE, StopRequest
+from .rundir import RunLock, RunLockError, prepare_run_dir
 from .step import StepResult, TrainState, train_step
 from .tokenizer import load_tokenizer, train_tokenizer
 
-__all__ = ["train", "main"]
+__all__ = ["train", "main", "FINAL_METRICS"]
+
+FINAL_METRICS = "final_metrics.json"
+
+#: Errors that name what the user has to fix; every rank raises them alike, so the command line
+#: shows one line from rank 0 instead of a traceback per rank (RECIPE_TRACEBACK=1 shows them).
+USER_ERRORS = (ValueError, FileNotFoundError, ConfigError, CheckpointError, RunLockError, FloatingPointError)
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Runs training (every rank calls it) and returns the final metrics."""
+def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict[str, Any]:
+    """Runs training (every rank calls it) and returns the final metrics.
+
+    Returns early with ``{"finished": True, ...}`` when a resumed run has already reached its last
+    step, and with ``{"stopped": "SIGTERM", ...}`` after saving a checkpoint when ``stop`` was
+    requested.
+    """
     init_distributed()
-    rank, world = rank_world()
     prec, ds_config = resolve_precision(json.loads(Path(cfg.deepspeed_config).read_text()))
-    run_dir = prepare_run_dir(cfg, ds_config)
+    run_dir = Path(cfg.output_dir)
+    lock = take_run_lock(run_dir)
+    try:
+        return _train(cfg, prec, ds_config, run_dir, stop or StopRequest())
+    finally:
+        lock.release()
+
+
+def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir: Path, stop: StopRequest) -> dict:
+    rank, world = rank_world()
+    if rank == 0:
+        prepare_run_dir(run_dir, cfg.to_dict(), ds_config)
+    barrier()
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     tokenizer = get_tokenizer(cfg, run_dir)
     model = build_model(cfg, tokenizer, run_dir)
@@ -54,6 +88,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     loader = build_train_loader(cfg.data, tokenizer, model.image_data_config(), micro, rank, world, cfg.seed)
     total = cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * len(loader) / accum))
     state = restore(engine, run_dir, cfg.resume, loader, prec) if cfg.resume else TrainState()
+    if state.step >= total:
+        say(f"run {run_dir} has already reached step {state.step} of {total}: nothing to do "
+            f"(give --steps larger than {state.step} to continue it)")
+        loader.close()
+        return {"finished": True, "steps": state.step, "run_dir": str(run_dir)}
     loss_fn = ClipLoss(mode=cfg.loss_mode, chunk_size=cfg.chunk_size, validate=False)
     log = MetricsLogger(run_dir, total, rank == 0, state.step)
     log.write(
@@ -65,15 +104,22 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         for g in opt.param_groups:
             g["lr"] = lr_at(state.step, cfg, total)
         micro_batches = [next(batches) for _ in range(accum)]
-        result = train_step(engine, opt, loss_fn, prec, micro_batches, state, cfg.max_nonfinite_in_row)
+        result = train_step(engine, opt, loss_fn, prec, micro_batches, state, cfg.max_nonfinite_in_row,
+                            stop_requested=stop.requested)
         log.advance()
         samples_per_s = (state.samples - start_samples) / max(time.perf_counter() - t0, 1e-9)
         if state.step % cfg.log_every == 0 or state.step == total:
             log.log(state.step, train_metrics(engine, opt, result, state, prec, loader, samples_per_s))
-        if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < total:
+        if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < total and not result.stop:
             log.log(state.step, run_eval(engine, cfg, tokenizer), kind="eval")
-        if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == total:
-            save(engine, run_dir, state, loader, prec)
+        if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == total or result.stop:
+            tag_dir = save(engine, run_dir, state, loader, prec)
+        if result.stop:
+            log.write(f"stopped by SIGTERM at step {state.step}: checkpoint {tag_dir} saved; "
+                      "continue with --resume latest")
+            log.close()
+            loader.close()
+            return {"stopped": "SIGTERM", "steps": state.step, "checkpoint": str(tag_dir), "run_dir": str(run_dir)}
     final = {
         "steps": state.step,
         "samples_per_s": (state.samples - start_samples) / max(time.perf_counter() - t0, 1e-9),
@@ -86,11 +132,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         overflow_steps=state.overflow_steps,
         precision=prec.label,
         world_size=world,
+        run_dir=str(run_dir),
     )
     final["memory"] = {**live_bytes_per_param(engine.module, opt, engine.optimizer), "group_params": group_params}
     log.log(state.step, final, kind="final")
     log.close()
     loader.close()
+    if rank == 0:
+        checkpoint.atomic_write_bytes(run_dir / FINAL_METRICS, json.dumps(final, indent=1).encode())
     return final
 
 
@@ -99,28 +148,28 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _git_revision() -> str:
-    root = Path(__file__).resolve().parents[1]
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-
-    try:
-        return git("rev-parse", "HEAD") + (" (dirty)" if git("status", "--porcelain") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-
-
-def prepare_run_dir(cfg: TrainConfig, ds_config: dict[str, Any]) -> Path:
-    """Creates the run directory with the resolved config, the DeepSpeed JSON and the git revision."""
-    run_dir = Path(cfg.output_dir)
+def say(text: str) -> None:
+    """A line for the user, from rank 0 only."""
     if rank_world()[0] == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        checkpoint.atomic_write_bytes(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2).encode())
-        checkpoint.atomic_write_bytes(run_dir / "ds_config.json", json.dumps(ds_config, indent=2).encode())
-        checkpoint.atomic_write_bytes(run_dir / "git_revision.txt", (_git_revision() + "\n").encode())
-    barrier()
-    return run_dir
+        print(text, file=sys.stderr, flush=True)
+
+
+def take_run_lock(run_dir: Path) -> RunLock:
+    """Rank 0 takes the run directory's lock; every rank raises the same :class:`RunLockError` when
+    another run holds it."""
+    lock, error = RunLock(run_dir), None
+    if rank_world()[0] == 0:
+        try:
+            lock.acquire()
+        except RunLockError as e:
+            error = str(e)
+    if initialized() and rank_world()[1] > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise RunLockError(error)
+    return lock
 
 
 def get_tokenizer(cfg: TrainConfig, run_dir: Path) -> Any:
@@ -162,11 +211,11 @@ def build_model(cfg: TrainConfig, tokenizer: Any, run_dir: Path) -> torch.nn.Mod
 # --------------------------------------------------------------------------------------------------
 
 
-def save(engine: Any, run_dir: Path, state: TrainState, loader: Any, prec: Precision) -> None:
+def save(engine: Any, run_dir: Path, state: TrainState, loader: Any, prec: Precision) -> Path:
     client = {"state": state.__dict__.copy(), "data": loader.state_dict(), "rng": checkpoint.rng_state()}
     if prec.loss_scaler is not None:
         client["loss_scaler"] = prec.loss_scaler.state_dict()
-    checkpoint.save(engine, run_dir / "checkpoints", state.step, client)
+    return checkpoint.save(engine, run_dir / "checkpoints", state.step, client)
 
 
 def restore(engine: Any, run_dir: Path, resume: str, loader: Any, prec: Precision) -> TrainState:
@@ -176,7 +225,9 @@ def restore(engine: Any, run_dir: Path, resume: str, loader: Any, prec: Precisio
     checkpoint.set_rng_state(client["rng"])
     if prec.loss_scaler is not None:
         prec.loss_scaler.load_state_dict(client["loss_scaler"])
-    return TrainState(**client["state"])
+    state = TrainState(**client["state"])
+    say(f"resumed from step {state.step} (checkpoint {tag_dir})")
+    return state
 
 
 def run_eval(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, float]:
@@ -214,12 +265,88 @@ def _forever(loader: Any) -> Iterator[dict[str, Any]]:
         yield from loader
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv)
-    final = train(cfg)
-    if rank_world()[0] == 0:
-        print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in final.items()}), flush=True)
+# --------------------------------------------------------------------------------------------------
+# the command line
+# --------------------------------------------------------------------------------------------------
+
+
+def with_run_config(argv: list[str]) -> list[str]:
+    """``argv`` with ``--config <run>/config.json`` in front when it resumes a run that has one, so
+    that only the flags given explicitly change the saved configuration."""
+    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    ap.add_argument("--resume")
+    ap.add_argument("--config")
+    ap.add_argument("--output-dir", default=TrainConfig().output_dir)
+    known, _ = ap.parse_known_args(argv)
+    saved = Path(known.output_dir) / "config.json"
+    if known.resume and not known.config and saved.is_file():
+        return ["--config", str(saved), *argv]
+    return argv
+
+
+def quiet_libraries() -> None:
+    """Silences library chatter that says nothing about this run (rank processes)."""
+    for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):  # DeepSpeed's ZeRO calls these
+        warnings.filterwarnings("ignore", message=rf".*{op}.* is deprecated", category=FutureWarning)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao's enum registration
+
+
+def summary(final: dict[str, Any]) -> str:
+    """The end of a run in a few readable lines."""
+    lines = [f"finished {final['steps']} steps in {final.get('run_dir', '')} ({final.get('precision', '')}, "
+             f"{final.get('world_size', 1)} ranks, {final.get('samples_per_s', float('nan')):.1f} samples/s)"]
+    if "zeroshot_top1" in final:
+        lines.append(f"  zero-shot top-1 {final['zeroshot_top1']:.3f} (chance {final['zeroshot_chance']:.3f}), "
+                     f"top-5 {final['zeroshot_top5']:.3f}")
+    if "retrieval_r1" in final:
+        lines.append(f"  retrieval R@1 {final['retrieval_r1']:.3f} (image->text {final['i2t_r1']:.3f}, "
+                     f"text->image {final['t2i_r1']:.3f}) on {int(final['eval_samples'])} held-out pairs")
+    skipped = sum(v for k, v in final.get("skipped_samples", {}).items() if k != "repeated")
+    lines.append(f"  final loss {final['final_loss']:.4f}; skipped samples {skipped}, non-finite steps "
+                 f"{final.get('nonfinite_steps', 0)}, fp16 overflow steps {final.get('overflow_steps', 0)}")
+    lines.append(f"  all metrics: {Path(final.get('run_dir', '.')) / FINAL_METRICS}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit code (0, 2 for a bad configuration, 1 for another
+    error named on one line, 143 after a SIGTERM stop with a checkpoint saved)."""
+    quiet_libraries()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rank = int(os.environ.get("RANK", "0"))
+    stop = StopRequest().install()
+    try:
+        try:
+            cfg = parse_args(with_run_config(argv))
+        except USER_ERRORS as e:
+            return _fail(rank, e, 2)
+        try:
+            final = train(cfg, stop)
+        except USER_ERRORS as e:
+            return _fail(rank, e, 1, Path(cfg.output_dir))
+    finally:
+        stop.restore()
+    if final.get("stopped"):
+        return PREEMPTED_EXIT_CODE
+    if rank == 0 and not final.get("finished"):
+        print(summary(final), flush=True)
+    return 0
+
+
+def _fail(rank: int, error: BaseException, code: int, run_dir: Path | None = None) -> int:
+    """One line naming the error (rank 0); the traceback goes to ``<run>/error.log`` when the run
+    directory exists (``RECIPE_TRACEBACK=1`` raises instead)."""
+    if os.environ.get("RECIPE_TRACEBACK") == "1":
+        raise error
+    where = ""
+    if rank == 0 and run_dir is not None and run_dir.is_dir() and not isinstance(error, RunLockError):
+        text = "".join(traceback.format_exception(error))
+        checkpoint.atomic_write_bytes(run_dir / "error.log", text.encode())
+        where = f" (traceback: {run_dir / 'error.log'})"
+    if rank == 0:
+        print(f"error: {error}{where}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""``launch.sh`` as a user runs it: from another directory, with the demo's defaults overridden, a
+finished or continued run resumed, a locked run directory, a configuration error, preemption by
+SIGTERM, and no DeepSpeed files left in /dev/shm. Each run is 2 CPU ranks under the real launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from recipe.synthetic import write_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = ROOT / "launch.sh"
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A working directory outside the repository with a small dataset and a small-batch DS JSON."""
+    work = tmp_path_factory.mktemp("work")
+    write_dataset(str(work / "data"), 64, n_val=24, image_size=32, seed=0)
+    cfg = json.loads((ROOT / "ds_configs" / "zero2_bf16_halfmaster.json").read_text())
+    cfg["train_micro_batch_size_per_gpu"] = 8
+    (work / "ds.json").write_text(json.dumps(cfg))
+    return work
+
+
+def env(work: Path, **extra: str) -> dict[str, str]:
+    e = dict(os.environ, DS_CONFIG=str(work / "ds.json"), DATA_DIR=str(work / "data"), **extra)
+    e.pop("RECIPE_TRACEBACK", None)
+    return e
+
+
+def launch(work: Path, *args: str, timeout: float = 600, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(LAUNCH), *args], cwd=work, env=env(work, **extra), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def shm_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("deepspeed_*")} if Path("/dev/shm").is_dir() else set()
+
+
+SMALL = ("--steps", "4", "--log-every", "1", "--eval-every", "0", "--save-every", "2", "--workers", "0",
+         "--vocab-size", "300")
+
+
+def test_help_is_printed_once() -> None:
+    res = subprocess.run(["bash", str(LAUNCH), "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.count("usage:") == 1
+    assert "--train-data" in res.stdout and "(default: " in res.stdout
+
+
+def test_configuration_error_is_one_line_and_nonzero(work: Path) -> None:
+    res = launch(work, "--steps", "0", "--output-dir", "runs/bad", timeout=300)
+    out = (res.stdout + res.stderr).strip().splitlines()
+    assert res.returncode == 2, out
+    assert out == ["error: steps must be >= 1, got 0"], out
+    assert not (work / "runs" / "bad").exists()  # nothing was written
+
+
+def test_demo_defaults_are_overridden_by_arguments_relative_to_the_caller(work: Path) -> None:
+    """No --train-data: the demo's data, evaluation and settings stay, the arguments change steps and
+    logging; relative paths are the caller's; the run ends with a readable summary, writes
+    final_metrics.json, prints no library noise and leaves nothing in /dev/shm."""
+    before = shm_files()
+    (work / "runs" / "demo").mkdir(parents=True)
+    (work / "runs" / "demo" / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7}))
+    res = launch(work, *SMALL, "--output-dir", "runs/demo")
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    run = work / "runs" / "demo"
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["data"]["train_data"] == str(work / "data" / "train.csv") and cfg["data"]["val_data"]
+    assert cfg["steps"] == 4 and cfg["optim"]["lr"] == 2e-3 and cfg["model"]["preset"] == "tiny"
+    assert not (ROOT / "runs" / "demo").exists()
+    final = json.loads((run / "final_metrics.json").read_text())
+    assert final["steps"] == 4 and 0 <= final["zeroshot_top1"] <= 1
+    lines = [x for x in res.stdout.splitlines() if x.strip()]
+    assert lines[-1].strip() == "all metrics: runs/demo/final_metrics.json"
+    assert any("zero-shot top-1" in x and "chance 0.083" in x for x in lines[-5:]), lines[-5:]
+    assert "taking over the stale lock" in out and not (run / "run.lock").exists()
+    for noise in ("untested optimizer", "CUDA", "Traceback", "exits successfully", "deprecated"):
+        assert noise not in out, noise
+    assert shm_files() <= before
+
+
+def test_resume_uses_the_runs_config_and_never_replays_rows(work: Path) -> None:
+    res = launch(work, "--train-data", "data/train.csv", "--val-data", "data/val.csv", *SMALL, "--output-dir", "runs/r")
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    run = work / "runs" / "r"
+    saved = (run / "config.json").read_text()
+    # a finished run: says so, exits 0, leaves config.json alone
+    res = launch(work, "--output-dir", "runs/r", "--resume", "latest")
+    assert res.returncode == 0 and "already reached step 4 of 4" in res.stderr, (res.stdout + res.stderr)[-3000:]
+    assert json.loads((run / "config.json").read_text())["data"] == json.loads(saved)["data"]
+    # more steps continue it, with only --steps changed
+    res = launch(work, "--output-dir", "runs/r", "--resume", "latest", "--steps", "6")
+    assert res.returncode == 0 and "resumed from step 4 (checkpoint" in res.stderr, (res.stdout + res.stderr)[-3000:]
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["steps"] == 6 and cfg["data"]["val_data"] == "data/val.csv"
+    # replay from an older checkpoint: rows of the replayed steps are replaced, not duplicated
+    res = launch(work, "--output-dir", "runs/r", "--resume", "runs/r/checkpoints/step00000002", "--steps", "6")
+    assert res.returncode == 0 and "resumed from step 2" in res.stderr, (res.stdout + res.stderr)[-3000:]
+    keys = [(r["kind"], r["step"]) for r in rows(run)]
+    assert len(keys) == len(set(keys)) and ("train", 6) in keys and ("final", 6) in keys, keys
+    latest = (run / "checkpoints" / "latest").read_text()
+    assert latest.startswith("step00000006") and (run / "checkpoints" / latest / "COMPLETE").exists()
+
+
+def test_a_second_run_into_a_locked_directory_refuses(work: Path) -> None:
+    run = work / "runs" / "locked"
+    run.mkdir(parents=True)
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": "now"}  # alive: this test
+    (run / "run.lock").write_text(json.dumps(holder))
+    res = launch(work, "--train-data", "data/train.csv", *SMALL, "--output-dir", "runs/locked", timeout=300)
+    out = (res.stdout + res.stderr).strip().splitlines()
+    assert res.returncode == 1 and len(out) == 1, out
+    assert f"is in use by pid {os.getpid()}" in out[0] and "(lock file runs/locked/run.lock)" in out[0]
+    assert json.loads((run / "run.lock").read_text()) == holder and not (run / "config.json").exists()
+
+
+def test_sigterm_saves_a_checkpoint_on_every_rank_and_stops(work: Path) -> None:
+    proc = subprocess.Popen(
+        ["bash", str(LAUNCH), "--train-data", "data/train.csv", "--steps", "100000", "--log-every", "1",
+         "--eval-every", "0", "--workers", "0", "--vocab-size", "300", "--output-dir", "runs/p"],
+        cwd=work, env=env(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    run = work / "runs" / "p"
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").exists() and len(rows(run)) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 143, out[-3000:]
+    latest = (run / "checkpoints" / "latest").read_text()
+    step = json.loads((run / "checkpoints" / latest / "COMPLETE").read_text())["step"]
+    assert 2 <= step < 100000 and "stopped by SIGTERM at step" in out
+    assert subprocess.run(["pgrep", "-f", f"output-dir runs/p"], capture_output=True).stdout == b""  # no rank left
+    assert not (run / "run.lock").exists()
+    res = launch(work, "--output-dir", "runs/p", "--resume", "latest", "--steps", str(step + 1))
+    assert res.returncode == 0 and f"resumed from step {step}" in res.stderr, (res.stdout + res.stderr)[-3000:]
