@@ -47,9 +47,20 @@ batch is exactly the one an uninterrupted run would have produced next, augmenta
 
 Bad samples -- a missing, unreadable or corrupt image, an empty (``None``/blank) or non-string
 caption, an unparsable label, a tar shard that cannot be read to its end -- are skipped and
-counted per reason; the first few are logged with their key, and each epoch ends with a summary
-line. Counts travel with the batches, so they are exact for what was consumed, and
-:meth:`ClipLoader.global_stats` sums them over ranks.
+counted per reason; the first few are logged with their key and origin (``row 5 of
+/data/train.csv``, ``tar shard /data/00003.tar, key 000031``; the image path when there is one),
+and each epoch ends with a summary line. Counts travel with the batches, so they are exact for
+what was consumed, and :meth:`ClipLoader.global_stats` sums them over ranks.
+
+A tar shard cut short anywhere (also exactly between members, without end-of-archive blocks),
+corrupt, not a tar at all or gone since start is never an error and never silently shorter:
+reading it yields the samples before the damage, then counts one ``unreadable_shard`` (once per
+epoch, on the rank that reads it) with a warning naming the shard; counting the samples at start
+warns about it too. Epoch lengths come from the counted samples, so a damaged shard only makes
+some rank's share short, which the top-up (``repeated``) fills. What no sample can fix is an
+error at start naming the thing: a missing path, no readable shard at all, an imagefolder without
+images, a column whose type cannot hold what it should (numbers as captions or image paths), or a
+label column none of whose first values is a class index.
 
 Modules: :mod:`~recipe.data.formats` (paths, format detection, map-style sources, image bytes),
 :mod:`~recipe.data.webdataset` (tar shards), :mod:`~recipe.data.decode` (skip reasons, cleaning,

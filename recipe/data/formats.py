@@ -10,8 +10,10 @@ Two kinds of source feed the loaders:
   over webdataset tar shards.
 
 Every problem the user can fix (missing path, unknown format, wrong column name) raises at
-start-up, with the offending name in the message. Problems with single samples are left to the
-decoder (:mod:`recipe.data.decode`), which skips and counts them.
+start-up, with the offending name in the message; so does a column whose type cannot hold what
+it should (numbers as captions, a label column of class names). Problems with single samples are
+left to the decoder (:mod:`recipe.data.decode`), which skips and counts them; each raw sample
+carries its origin (data file and row, or tar shard and key) for the skip messages.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import glob
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import datasets
@@ -249,6 +251,8 @@ class RawSample:
         label: The class label as stored, or None.
         base_dir: Folder that relative image paths are resolved against.
         error: Set when the reader itself failed (e.g. a truncated tar shard).
+        origin: Where the sample comes from, for messages: ``row 5 of /data/train.csv`` or
+            ``tar shard /data/00001.tar, key 0000123``.
     """
 
     key: str
@@ -257,6 +261,7 @@ class RawSample:
     label: Any = None
     base_dir: str | None = None
     error: str | None = None
+    origin: str = ""
 
 
 @dataclass
@@ -271,6 +276,7 @@ class MapSource:
         base_dirs: Per part of the dataset, the folder relative paths resolve against.
         part_starts: Row index at which each part starts (parts are concatenated files).
         description: Human-readable description for messages.
+        part_names: Per part, the file or directory it was read from (for messages).
     """
 
     dataset: datasets.Dataset
@@ -280,6 +286,7 @@ class MapSource:
     base_dirs: list[str]
     part_starts: list[int]
     description: str
+    part_names: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -293,6 +300,12 @@ class MapSource:
         """Return the folder that relative image paths of row ``index`` resolve against."""
         return self.base_dirs[bisect.bisect_right(self.part_starts, index) - 1]
 
+    def origin(self, index: int) -> str:
+        """Where row ``index`` comes from: ``row <row in its file> of <file>``."""
+        part = bisect.bisect_right(self.part_starts, index) - 1
+        name = self.part_names[part] if part < len(self.part_names) else self.description
+        return f"row {index - self.part_starts[part]} of {name}"
+
     def rows(self, indices: Sequence[int]) -> list[RawSample]:
         """Read rows ``indices`` (in that order) as undecoded samples."""
         if len(indices) == 0:
@@ -300,7 +313,7 @@ class MapSource:
         cols = self.dataset[[int(i) for i in indices]]
         labels = cols[self.label_column] if self.label_column else [None] * len(indices)
         return [
-            RawSample(str(int(i)), img, cap, lab, self.base_dir(int(i)))
+            RawSample(str(int(i)), img, cap, lab, self.base_dir(int(i)), None, self.origin(int(i)))
             for i, img, cap, lab in zip(indices, cols[self.image_column], cols[self.caption_column], labels)
         ]
 
@@ -360,8 +373,10 @@ def open_map_source(
         cache_dir: ``datasets`` cache directory.
 
     Raises:
-        ValueError: Wrong column name, unknown split, or an empty dataset.
-        FileNotFoundError: A directory without files of the requested format.
+        ValueError: Wrong column name, a column of the wrong type, no parsable label among the
+            first rows, unknown split, or an empty dataset.
+        FileNotFoundError: A directory without files of the requested format (or images), or none
+            of the first image paths exists.
     """
     if fmt not in MAP_FORMATS:
         raise ValueError(f"format {fmt!r} is not a map-style format {MAP_FORMATS}")
@@ -370,16 +385,22 @@ def open_map_source(
         files = files_for_format(paths, fmt)
         parts = _load_file_parts(files, fmt, csv_separator, cache_dir)
         bases = [image_root or os.path.dirname(f) for f in files]
+        names = list(files)
     elif fmt == "imagefolder":
-        parts, bases = [], []
+        parts, bases, names = [], [], list(paths)
         for d in paths:
             if not os.path.isdir(d):
                 raise ValueError(f"imagefolder data must be a directory, got file {d!r}")
-            dd = datasets.load_dataset("imagefolder", data_dir=d, cache_dir=cache_dir)
+            try:
+                dd = datasets.load_dataset("imagefolder", data_dir=d, cache_dir=cache_dir)
+            except (FileNotFoundError, ValueError) as exc:  # datasets' messages do not always name d
+                if not _holds_images(d):
+                    raise FileNotFoundError(f"imagefolder directory {d!r} holds no image files") from exc
+                raise
             parts.append(_choose_split(dd, split, d))
             bases.append(image_root or d)
     else:  # disk
-        parts, bases = [], []
+        parts, bases, names = [], [], list(paths)
         for d in paths:
             loaded = datasets.load_from_disk(d)
             if isinstance(loaded, datasets.DatasetDict):
@@ -395,6 +416,9 @@ def open_map_source(
     lab_col = None
     if label_column is not None:
         lab_col = _pick_column("label", label_column, (), columns, where)
+    for kind, col in (("image", img_col), ("caption", cap_col), ("label", lab_col)):
+        if col is not None:
+            _check_column_type(kind, col, parts[0].features[col], where)
     keep = [c for c in dict.fromkeys([img_col, cap_col, lab_col]) if c is not None]
     starts, total, cleaned = [], 0, []
     for part in parts:
@@ -407,9 +431,64 @@ def open_map_source(
     dataset = cleaned[0] if len(cleaned) == 1 else datasets.concatenate_datasets(cleaned)
     if len(dataset) == 0:
         raise ValueError(f"{where} has no rows")
-    source = MapSource(dataset, img_col, cap_col, lab_col, bases, starts, where)
+    source = MapSource(dataset, img_col, cap_col, lab_col, bases, starts, where, names)
     _check_some_images_exist(source)
+    if lab_col is not None:
+        _check_some_labels_parse(source)
     return source
+
+
+# ----------------------------------------------------------------------------------------------
+# start-up checks of column types and values
+# ----------------------------------------------------------------------------------------------
+
+#: Types any of the columns may have: text, bytes, or mixed JSON values (``datasets.Json``, checked per sample).
+_TEXT_OR_BYTES = ("string", "large_string", "binary", "large_binary", "Json")
+_EXPECTED = {"image": "image paths or bytes", "caption": "text", "label": "integer class indices"}
+
+
+def _check_column_type(kind: str, column: str, feature: Any, where: str) -> None:
+    """Raise if a column's type cannot hold what the decoder reads from it.
+
+    Raises:
+        ValueError: e.g. a caption column of numbers, or an image column of integers.
+    """
+    name = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__
+    ok = name in _TEXT_OR_BYTES
+    if kind == "image":
+        ok = ok or name == "Image" or (isinstance(feature, dict) and bool({"bytes", "path"} & set(feature)))
+    elif kind == "label":
+        ok = ok or name == "ClassLabel" or name.startswith(("int", "uint", "float"))
+    if not ok:
+        raise ValueError(
+            f"{kind} column {column!r} of {where} holds {name} values, not {_EXPECTED[kind]}; "
+            f"set {kind}_column to the column that does"
+        )
+
+
+def _check_some_labels_parse(source: MapSource, probe: int = 16) -> None:
+    """Fail early when none of the first labels is a class index (e.g. a column of class names)."""
+    from .decode import clean_label  # decode imports this module
+
+    if isinstance(source.dataset.features[source.label_column], datasets.ClassLabel):
+        return
+    values = source.dataset[:probe][source.label_column]
+    if values and all(clean_label(v) is None for v in values):
+        raise ValueError(
+            f"label column {source.label_column!r} of {source.description}: none of the first {len(values)} "
+            f"values is an integer class index (first: {values[0]!r})"
+        )
+
+
+def _holds_images(directory: str) -> bool:
+    """Whether a directory tree holds a file with an image suffix that ``datasets``' imagefolder reads."""
+    try:
+        from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
+
+        suffixes = tuple(e.lower() for e in ImageFolder.EXTENSIONS)
+    except (ImportError, AttributeError):
+        suffixes = _IMAGE_SUFFIXES
+    return any(n.lower().endswith(suffixes) for _, _, names in os.walk(directory) for n in names)
 
 
 # ----------------------------------------------------------------------------------------------

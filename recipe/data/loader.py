@@ -148,9 +148,11 @@ class _BatchProducer(IterableDataset):
             return sample
         if not repeated:
             stats[reason] += 1
-            if self._logged < self.log_limit:
+            # a damaged shard is rare and costs many samples: always named, beyond the limit
+            if self._logged < self.log_limit or reason == "unreadable_shard":
                 self._logged += 1
-                logger.warning("skipping sample %s (%s): %s", raw.key, reason, detail)
+                origin = f" from {raw.origin}" if raw.origin else ""
+                logger.warning("skipping sample %s (%s)%s: %s", raw.key, reason, origin, detail)
         return None
 
     def _item(self, w: int, i: int, pos: int, samples: list[Sample] | None, stats: Counter, end: bool = False) -> dict:

@@ -187,3 +187,45 @@ def assert_same_batches(a, b):
     for x, y in zip(a, b):
         assert torch.equal(x["pixel_values"], y["pixel_values"])
         assert torch.equal(x["input_ids"], y["input_ids"])
+
+
+def write_shard(path, shard: int, n: int = 4) -> list[str]:
+    """A tar of ``n`` samples ``s<shard>k<i>``: png and caption ``shard <shard> sample <i>``; returns the captions."""
+    samples = [
+        (f"s{shard}k{i}", {"png": png_bytes(100 * shard + i), "txt": f"shard {shard} sample {i}".encode()})
+        for i in range(n)
+    ]
+    write_tar(path, samples)
+    return [f"shard {shard} sample {i}" for i in range(n)]
+
+
+#: Ways to damage a shard of :func:`write_shard` (members k0.png, k0.txt, k1.png, ...):
+#: kind -> (indices of the samples still readable, samples counted from its headers).
+DAMAGE = {
+    "cut_in_data": ((0, 1), 3),  # cut inside k2.png's data
+    "cut_at_header": ((0, 1), 2),  # cut exactly where k2.png's header starts: no end-of-archive blocks
+    "cut_in_header": ((0, 1), 2),  # cut in the middle of k2.png's header
+    "cut_before_caption": ((0,), 2),  # cut where k1.txt's header starts: k1 is incomplete
+    "junk_after": ((0, 1), 2),  # k2.png's header and all after it overwritten with junk
+    "not_a_tar": ((), 0),
+    "empty": ((), 0),
+}
+
+
+def damage_tar(path, kind: str) -> None:
+    """Damage the tar at ``path`` in place as :data:`DAMAGE` describes."""
+    with open(path, "rb") as f:
+        data = f.read()
+    with tarfile.open(path) as tf:
+        members = tf.getmembers()
+    cuts = {
+        "cut_in_data": data[: members[4].offset_data + 100],
+        "cut_at_header": data[: members[4].offset],
+        "cut_in_header": data[: members[4].offset + 100],
+        "cut_before_caption": data[: members[3].offset],
+        "junk_after": data[: members[4].offset] + b"junk " * 400,
+        "not_a_tar": b"this is not a tar file " * 100,
+        "empty": b"",
+    }
+    with open(path, "wb") as f:
+        f.write(cuts[kind])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import random
 import tarfile
@@ -174,3 +176,72 @@ def test_bad_tokenizer_output_is_an_error(syn, tmp_path):
     loader = build_train_loader(cfg_for(os.path.join(syn, "train.csv"), tmp_path), short, IMAGE_CFG, 2)
     with pytest.raises(ValueError, match="shape"):
         collect(loader)
+
+
+# --------------------------------------------------------------------------------------------
+# skip warnings name the sample: data file and row, image path
+# --------------------------------------------------------------------------------------------
+
+_IMAGE_REASONS = {
+    "corrupt.png": "corrupt_image",
+    "truncated.png": "corrupt_image",
+    "missing.png": "missing_image",
+    "a_directory.png": "unreadable_image",
+}
+
+
+def _skip_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "recipe.data.loader" and "skipping" in r.getMessage()]
+
+
+def test_bad_sample_warnings_name_the_row_and_the_image(bad_jsonl, tmp_path, caplog):
+    path, expected = bad_jsonl
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    with caplog.at_level(logging.WARNING):
+        loader = build_eval_loader(cfg_for(path, tmp_path), tokenize, IMAGE_CFG, 4)
+        collect(loader)
+    assert dict(loader.stats) == dict(expected)
+    skips = _skip_warnings(caplog)
+    assert len(skips) == sum(expected.values())
+    for i, row in enumerate(rows):
+        if isinstance(row["caption"], str) and row["caption"].startswith("good sample"):
+            continue
+        reason = _IMAGE_REASONS.get(row["image"])
+        if reason is None:
+            reason = "bad_caption" if row["caption"] else "empty_caption"
+        needles = [f"({reason})", f"row {i} of {path}"]
+        if row["image"] in _IMAGE_REASONS:
+            needles.append(str(path.parent / row["image"]))
+        assert len([m for m in skips if all(n in m for n in needles)]) == 1, (needles, skips)
+
+
+def test_corrupt_embedded_image_warning_names_the_row_and_file(tmp_path, caplog):
+    """Image bytes have no path: the warning names the row of its data file (rows count per file)."""
+    d = tmp_path / "pq"
+    d.mkdir()
+    pd.DataFrame({"image": [png_bytes(0), png_bytes(1)], "text": ["a", "b"]}).to_parquet(d / "part-0.parquet")
+    pd.DataFrame({"image": [png_bytes(2), b"junk"], "text": ["c", "d"]}).to_parquet(d / "part-1.parquet")
+    with caplog.at_level(logging.WARNING):
+        loader = build_eval_loader(cfg_for(str(d / "part-*.parquet"), tmp_path), tokenize, IMAGE_CFG, 2)
+        assert [c for b in collect(loader) for c in b["captions"]] == ["a", "b", "c"]
+    assert dict(loader.stats) == {"corrupt_image": 1}
+    skips = _skip_warnings(caplog)
+    assert len(skips) == 1
+    assert "skipping sample 3 (corrupt_image)" in skips[0] and f"row 1 of {d / 'part-1.parquet'}" in skips[0]
+
+
+def test_unparsable_label_is_a_counted_skip_naming_the_row(tmp_path, caplog):
+    d = tmp_path / "labels"
+    d.mkdir()
+    for i in range(4):
+        (d / f"i{i}.png").write_bytes(png_bytes(i))
+    rows = {"filepath": [f"i{i}.png" for i in range(4)], "title": list("abcd"), "label": ["1", "x", "2", "3"]}
+    pd.DataFrame(rows).to_csv(d / "data.csv", index=False)
+    with caplog.at_level(logging.WARNING):
+        loader = build_eval_loader(cfg_for(d / "data.csv", tmp_path, label_column="label"), tokenize, IMAGE_CFG, 4)
+        batches = collect(loader)
+    assert torch.cat([b["labels"] for b in batches]).tolist() == [1, 2, 3]
+    assert dict(loader.stats) == {"bad_label": 1}
+    skips = _skip_warnings(caplog)
+    assert len(skips) == 1 and f"(bad_label) from row 1 of {d / 'data.csv'}: label 'x'" in skips[0]

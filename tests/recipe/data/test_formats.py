@@ -17,6 +17,7 @@ from .helpers import (
     N_TRAIN,
     cfg_for,
     collect,
+    png_bytes,
     read_split_rows,
     reference_pixels,
     reference_set,
@@ -189,3 +190,56 @@ def test_missing_paths_are_clear_errors(syn, tmp_path):
 def test_expand_braces():
     assert expand_braces("s-{008..011}.tar") == ["s-008.tar", "s-009.tar", "s-010.tar", "s-011.tar"]
     assert expand_braces("{a,b}/{1..2}") == ["a/1", "a/2", "b/1", "b/2"]
+
+
+def _typed_csv(d, name, **columns) -> str:
+    pd.DataFrame(columns).to_csv(d / name, index=False)
+    return str(d / name)
+
+
+def test_columns_of_the_wrong_type_are_clear_errors(tmp_path):
+    """A column that cannot hold what it should is an error at start naming it, not a skip per sample."""
+    d = tmp_path / "types"
+    d.mkdir()
+    files = []
+    for i in range(4):
+        (d / f"i{i}.png").write_bytes(png_bytes(i))
+        files.append(f"i{i}.png")
+    numbers = _typed_csv(d, "numbers.csv", filepath=files, title=[1, 2, 3, 4])
+    for build in (build_train_loader, build_eval_loader):
+        with pytest.raises(ValueError, match=r"caption column 'title' of csv data at .*numbers\.csv holds int64"):
+            build(cfg_for(numbers, tmp_path), tokenize, IMAGE_CFG, 2)
+    with pytest.raises(ValueError, match=r"caption column 'title' .* holds int64"):
+        list(read_captions(cfg_for(numbers, tmp_path)))
+    empty = _typed_csv(d, "empty.csv", filepath=files, title=[None] * 4)
+    with pytest.raises(ValueError, match=r"caption column 'title' of csv data at .*empty\.csv holds float64"):
+        build_train_loader(cfg_for(empty, tmp_path), tokenize, IMAGE_CFG, 2)
+    ints = _typed_csv(d, "ints.csv", filepath=[1, 2, 3, 4], title=list("abcd"))
+    with pytest.raises(ValueError, match=r"image column 'filepath' of csv data at .*ints\.csv holds int64"):
+        build_train_loader(cfg_for(ints, tmp_path), tokenize, IMAGE_CFG, 2)
+    # an image column of text that names no file
+    text = _typed_csv(d, "text.csv", filepath=files, title=list("abcd"))
+    with pytest.raises(FileNotFoundError, match="none of the first 4 image paths in column 'title'"):
+        build_train_loader(cfg_for(text, tmp_path, image_column="title", caption_column="filepath"),
+                           tokenize, IMAGE_CFG, 2)
+    names = _typed_csv(d, "names.csv", filepath=files, title=list("abcd"), label=["cat", "dog", "cat", "owl"])
+    cfg = cfg_for(names, tmp_path, label_column="label")
+    with pytest.raises(ValueError, match=r"label column 'label' of csv data at .*names\.csv: none of the first 4 "
+                                         r"values is an integer class index \(first: 'cat'\)"):
+        build_eval_loader(cfg, tokenize, IMAGE_CFG, 2)
+    assert len(collect(build_train_loader(cfg, tokenize, IMAGE_CFG, 2))) == 2  # training reads no labels
+    flags = _typed_csv(d, "flags.csv", filepath=files, title=list("abcd"), label=[True, False, True, True])
+    with pytest.raises(ValueError, match=r"label column 'label' of csv data at .*flags\.csv holds bool"):
+        build_eval_loader(cfg_for(flags, tmp_path, label_column="label"), tokenize, IMAGE_CFG, 2)
+
+
+def test_imagefolder_without_images_is_a_clear_error(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    text_only = tmp_path / "text_only"
+    text_only.mkdir()
+    (text_only / "readme.txt").write_text("no images here")
+    for d in (empty, text_only):
+        cfg = cfg_for(d, tmp_path, data_format="imagefolder")
+        with pytest.raises(FileNotFoundError, match=f"imagefolder directory '{d}' holds no image files"):
+            build_train_loader(cfg, tokenize, IMAGE_CFG, 2)

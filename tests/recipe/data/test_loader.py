@@ -22,10 +22,12 @@ from .helpers import (
     assert_same_batches,
     cfg_for,
     collect,
+    damage_tar,
     keys_of,
     read_split_rows,
     run_steps,
     tokenize,
+    write_shard,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -119,10 +121,16 @@ def test_num_samples_applies_to_the_training_shards_only(syn, tmp_path):
 
 @pytest.mark.parametrize(
     "kind,stop",
-    [("map_with_bad_samples", 3), ("map_with_bad_samples", 5), ("stream", 4)],  # 5 is an epoch boundary
-)
+    [("map_with_bad_samples", 3), ("map_with_bad_samples", 5), ("stream", 4), ("damaged_stream", 3)],
+)  # 5 is an epoch boundary
 def test_resume_yields_exactly_the_remaining_batches(syn, bad_jsonl, tmp_path, kind, stop):
     path = bad_jsonl[0] if kind == "map_with_bad_samples" else os.path.join(syn, "wds", "train")
+    if kind == "damaged_stream":  # 6 shards of 4 samples, the third cut inside a sample
+        path = tmp_path / "damaged"
+        path.mkdir()
+        for j in range(6):
+            write_shard(path / f"s-{j}.tar", j)
+        damage_tar(path / "s-2.tar", "cut_in_data")
     cfg = cfg_for(path, tmp_path, workers=2, shuffle_buffer=6)
 
     def make():
@@ -142,6 +150,9 @@ def test_resume_yields_exactly_the_remaining_batches(syn, bad_jsonl, tmp_path, k
     rest = run_steps(resumed_loader, total - stop)
     assert_same_batches(first + rest, reference)
     assert resumed_loader.stats == ref_loader.stats
+    if kind == "damaged_stream":
+        # once in each of the two whole epochs, maybe once more in the first batch of the third
+        assert ref_loader.stats["unreadable_shard"] in (2, 3)
 
 
 def test_resume_across_epochs_with_set_epoch(syn, tmp_path):
