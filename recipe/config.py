@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 __all__ = [
     "ModelConfig",
@@ -38,11 +39,46 @@ LOSS_MODE_NAMES = ("plain", "chunked", "fused")
 SCHEDULES = ("cosine", "constant")
 
 
-def option(default: Any, help: str) -> Any:
-    """A dataclass field with its command-line help (mutable defaults are copied per instance)."""
+_BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b), "le": ("<=", lambda v, b: v <= b),
+           "lt": ("<", lambda v, b: v < b)}
+
+
+def option(
+    default: Any,
+    help: str,
+    names: Callable[[], Iterable[str]] | None = None,
+    **bounds: float,
+) -> Any:
+    """A dataclass field with its command-line help (mutable defaults are copied per instance).
+
+    ``names``, when given, returns the names a registry holds; they replace ``{names}`` in the help
+    (read when the parser is built, so the registries' modules, which import torch, load lazily).
+    ``bounds`` (``ge``, ``gt``, ``le``, ``lt``) is the field's range, checked by
+    :meth:`TrainConfig.validate` (for each element of a tuple; an unset optional field passes).
+    """
+    unknown = set(bounds) - set(_BOUNDS)
+    if unknown:
+        raise TypeError(f"unknown bounds {sorted(unknown)}")
+    metadata: dict[str, Any] = {"help": help, "bounds": bounds}
+    if names is not None:
+        metadata["names"] = names
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def preset_names() -> list[str]:
+    """The model presets, from :data:`recipe.model.PRESETS`."""
+    from .model import PRESETS
+
+    return list(PRESETS)
+
+
+def text_tower_names() -> list[str]:
+    """The built-in text towers, from :data:`recipe.encoders.TEXT_CONFIGS`."""
+    from .encoders import TEXT_CONFIGS
+
+    return list(TEXT_CONFIGS)
 
 
 @dataclass
@@ -50,11 +86,18 @@ class ModelConfig:
     """Model: a preset, or encoders by name (any timm image model, any transformers text model)."""
 
     preset: str | None = option(
-        "tiny", "model preset (ViT-B-32, tiny, tiny-resnet, tiny-convnext); the encoder flags override its towers"
+        "tiny", "model preset, one of {names}; the encoder flags override its towers", names=preset_names
     )
     image_encoder: str | None = option(None, "timm image model name (replaces the preset's image tower)")
-    text_encoder: str | None = option(None, "text tower: built-in config name, config JSON or local model directory")
-    embed_dim: int | None = option(None, "shared embedding width (default: the preset's)")
+    text_encoder: str | None = option(
+        None, "text tower: a built-in one ({names}), a config JSON or a local model directory", names=text_tower_names
+    )
+    image_size: int | None = option(
+        None,
+        "image side in pixels: the image tower's input and the data transforms' output (unset: the model's)",
+        ge=1,
+    )
+    embed_dim: int | None = option(None, "shared embedding width (default: the preset's)", ge=1)
     image_weights: str | None = option(None, "local state-dict file for the image tower")
     grad_checkpointing: bool = option(False, "activation checkpointing in both towers")
     text_master_weights: bool = option(
@@ -90,47 +133,49 @@ class DataConfig:
         None, "folder relative image paths resolve against (default: the folder of the file naming them)"
     )
     csv_separator: str | None = option(None, "CSV separator (sniffed from the header line when unset)")
-    workers: int = option(2, "DataLoader worker processes of the training loader (0: load in the training process)")
-    eval_workers: int = option(0, "DataLoader worker processes of the evaluation loader")
-    prefetch_factor: int = option(2, "batches prefetched per worker")
+    workers: int = option(
+        2, "DataLoader worker processes of the training loader (0: load in the training process)", ge=0
+    )
+    eval_workers: int = option(0, "DataLoader worker processes of the evaluation loader", ge=0)
+    prefetch_factor: int = option(2, "batches prefetched per worker", ge=1)
     pin_memory: bool = option(False, "pin batches in page-locked memory (CUDA training)")
-    shuffle_buffer: int = option(1000, "shuffle buffer of streamed (webdataset) training data")
+    shuffle_buffer: int = option(1000, "shuffle buffer of streamed (webdataset) training data", ge=1)
     num_samples: int | None = option(
-        None, "samples in the webdataset training shards (counted from the tar headers when unset)"
+        None, "samples in the webdataset training shards (counted from the tar headers when unset)", ge=1
     )
     train_scale: tuple[float, float] = option(
-        (0.9, 1.0), "area range of the random resized crop (OpenCLIP's CLIP recipe: 0.9 1.0)"
+        (0.9, 1.0), "area range of the random resized crop (OpenCLIP's CLIP recipe: 0.9 1.0)", gt=0
     )
     train_ratio: tuple[float, float] | None = option(
-        None, "aspect-ratio range of the random resized crop (timm's default when unset)"
+        None, "aspect-ratio range of the random resized crop (timm's default when unset)", gt=0
     )
-    hflip: float = option(0.0, "horizontal flip probability in training (CLIP used none)")
-    color_jitter: float | None = option(None, "colour jitter strength in training (CLIP used none)")
+    hflip: float = option(0.0, "horizontal flip probability in training (CLIP used none)", ge=0, le=1)
+    color_jitter: float | None = option(None, "colour jitter strength in training (CLIP used none)", ge=0)
     cache_dir: str | None = option(None, "datasets cache directory for converted CSV/JSON/parquet files")
-    log_bad_samples: int = option(10, "bad samples each worker logs individually per epoch (all are counted)")
+    log_bad_samples: int = option(10, "bad samples each worker logs individually per epoch (all are counted)", ge=0)
     zeroshot: str | None = option(
         None, "zeroshot.json with class names and templates (default: found next to the validation data)"
     )
     tokenizer: str | None = option(
         None, "local tokenizer directory (default: train a byte-level BPE on the training captions)"
     )
-    vocab_size: int = option(2048, "vocabulary size of a trained tokenizer")
-    context_length: int | None = option(None, "token context length (default: the text tower's)")
+    vocab_size: int = option(2048, "vocabulary size of a trained tokenizer", ge=1)
+    context_length: int | None = option(None, "token context length (default: the text tower's)", ge=1)
 
 
 @dataclass
 class OptimConfig:
     """SRAdamW and the learning-rate schedule (linear warmup, then cosine or constant)."""
 
-    lr: float = option(5e-4, "peak learning rate")
-    weight_decay: float = option(0.2, "decoupled weight decay of weights (not gains, biases or the logit scale)")
-    beta1: float = option(0.9, "Adam beta1")
-    beta2: float = option(0.98, "Adam beta2")
-    eps: float = option(1e-6, "Adam epsilon")
-    warmup_steps: int = option(50, "linear warmup steps")
+    lr: float = option(5e-4, "peak learning rate", ge=0)
+    weight_decay: float = option(0.2, "decoupled weight decay of weights (not gains, biases or the logit scale)", ge=0)
+    beta1: float = option(0.9, "Adam beta1", ge=0, lt=1)
+    beta2: float = option(0.98, "Adam beta2", ge=0, lt=1)
+    eps: float = option(1e-6, "Adam epsilon", ge=0)
+    warmup_steps: int = option(50, "linear warmup steps", ge=0)
     schedule: str = option("cosine", "after warmup: cosine (to --min-lr) or constant")
-    min_lr: float = option(0.0, "final learning rate of the cosine schedule")
-    sr_seed: int = option(0, "seed of the stochastic-rounding noise")
+    min_lr: float = option(0.0, "final learning rate of the cosine schedule", ge=0)
+    sr_seed: int = option(0, "seed of the stochastic-rounding noise", ge=0)
 
 
 @dataclass
@@ -144,62 +189,67 @@ class TrainConfig:
         "ds_configs/zero2_bf16_halfmaster.json", "DeepSpeed JSON: batch size, accumulation, precision, clipping, ZeRO"
     )
     loss_mode: str = option("plain", "contrastive loss implementation: plain, chunked or fused (Triton)")
-    chunk_size: int = option(4096, "tile edge of the chunked loss (caps the fused loss's tile)")
-    steps: int | None = option(None, "optimizer steps (or give --epochs)")
-    epochs: float | None = option(None, "passes over the training data (1 when neither this nor --steps is given)")
-    eval_every: int = option(0, "evaluate every N steps (0: only at the end)")
-    save_every: int = option(0, "checkpoint every N steps (0: only at the end)")
-    log_every: int = option(10, "log training metrics every N steps")
+    chunk_size: int = option(4096, "tile edge of the chunked loss (caps the fused loss's tile)", ge=1)
+    steps: int | None = option(None, "optimizer steps (or give --epochs)", ge=1)
+    epochs: float | None = option(
+        None, "passes over the training data (1 when neither this nor --steps is given)", gt=0
+    )
+    eval_every: int = option(0, "evaluate every N steps (0: only at the end)", ge=0)
+    save_every: int = option(0, "checkpoint every N steps (0: only at the end)", ge=0)
+    log_every: int = option(10, "log training metrics every N steps", ge=1)
     output_dir: str = option("runs/default", "run directory: config, logs, tokenizer, checkpoints")
     resume: str | None = option(None, "'latest' or a checkpoint directory to continue from")
-    seed: int = option(0, "seed of initialisation, shuffling and augmentation")
-    max_nonfinite_in_row: int = option(5, "stop after this many consecutive steps with a non-finite loss")
-    eval_batch_size: int = option(256, "per-rank batch size of evaluation")
+    seed: int = option(0, "seed of initialisation, shuffling and augmentation", ge=0)
+    max_nonfinite_in_row: int = option(5, "stop after this many consecutive steps with a non-finite loss", ge=1)
+    eval_batch_size: int = option(256, "per-rank batch size of evaluation", ge=1)
 
     def validate(self) -> None:
-        """Raises ``ValueError`` (or ``FileNotFoundError``) on contradictory or out-of-range settings."""
+        """Raises ``ValueError`` (or ``FileNotFoundError``) on contradictory or out-of-range settings.
+
+        Every numeric field is checked against its declared range (:func:`option`'s bounds: sizes
+        are >= 1), the names of a preset and a built-in text tower against their registries, and the
+        DeepSpeed JSON is read and checked (:func:`recipe.precision.read_ds_config`: malformed JSON,
+        non-positive or inconsistent batch sizes, contradictory precision settings), all before
+        anything is built.
+        """
         if self.loss_mode not in LOSS_MODE_NAMES:
             raise ValueError(f"loss_mode must be one of {', '.join(LOSS_MODE_NAMES)}, got {self.loss_mode!r}")
         if self.optim.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be cosine or constant, got {self.optim.schedule!r}")
-        if self.steps is not None and self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if self.epochs is not None and self.epochs <= 0:
-            raise ValueError(f"epochs must be > 0, got {self.epochs}")
+        for section, cls in _sections().items():
+            values = getattr(self, section) if section else self
+            for f, hint in _leaves(cls):
+                _check_bounds(f, hint, getattr(values, f.name))
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give steps or epochs, not both")
-        for name in ("lr", "weight_decay", "eps", "min_lr"):
-            if getattr(self.optim, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        positive = {
-            "chunk_size": self.chunk_size,
-            "log_every": self.log_every,
-            "eval_batch_size": self.eval_batch_size,
-            "max_nonfinite_in_row": self.max_nonfinite_in_row,
-            "prefetch_factor": self.data.prefetch_factor,
-            "shuffle_buffer": self.data.shuffle_buffer,
-            "vocab_size": self.data.vocab_size,
-        }
-        for name, value in positive.items():
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        not_negative = {
-            "warmup_steps": self.optim.warmup_steps,
-            "eval_every": self.eval_every,
-            "save_every": self.save_every,
-            "workers": self.data.workers,
-            "eval_workers": self.data.eval_workers,
-            "seed": self.seed,
-            "sr_seed": self.optim.sr_seed,
-            "log_bad_samples": self.data.log_bad_samples,
-        }
-        for name, value in not_negative.items():
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+        for name in ("train_scale", "train_ratio"):
+            value = getattr(self.data, name)
+            if value is not None and value[0] > value[1]:
+                raise ValueError(f"{name} must be a range (low <= high), got {value[0]} {value[1]}")
+        self._validate_model_names()
         if not Path(self.deepspeed_config).is_file():
             raise FileNotFoundError(f"DeepSpeed config not found: {self.deepspeed_config}")
-        if self.model.preset is None and not (self.model.image_encoder and self.model.text_encoder):
+        from .precision import read_ds_config  # imports torch: only once the cheap checks passed
+
+        read_ds_config(self.deepspeed_config, world_size=_launcher_world_size())
+
+    def _validate_model_names(self) -> None:
+        m = self.model
+        if m.preset is None and not (m.image_encoder and m.text_encoder):
             raise ValueError("without a preset both image_encoder and text_encoder are required")
+        if m.preset is not None and m.preset not in preset_names():
+            raise ValueError(f"preset must be one of {', '.join(preset_names())}, got {m.preset!r}")
+        if m.image_encoder:
+            import timm
+
+            if not timm.is_model(m.image_encoder):
+                raise ValueError(f"image_encoder {m.image_encoder!r} is not a timm model name")
+        text = m.text_encoder
+        if text and text not in text_tower_names() and not Path(text).exists():
+            raise ValueError(
+                f"text_encoder {text!r} is neither a built-in text tower ({', '.join(text_tower_names())}) "
+                "nor an existing config JSON or model directory"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -234,11 +284,39 @@ def _leaves(cls: type) -> list[tuple[dataclasses.Field, Any]]:
     return [(f, hints[f.name]) for f in dataclasses.fields(cls) if not dataclasses.is_dataclass(hints[f.name])]
 
 
+def _check_bounds(f: dataclasses.Field, hint: Any, value: Any) -> None:
+    """``ValueError`` naming the field when ``value`` is outside the field's declared range."""
+    bounds = f.metadata.get("bounds") or {}
+    if value is None or not bounds:
+        return
+    tp, _ = _unwrap(hint)
+    elem = typing.get_args(tp)[0] if typing.get_origin(tp) is tuple else tp
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (elem is int and not isinstance(v, int)):
+            raise ValueError(f"{f.name} must be {'an integer' if elem is int else 'a number'}, got {v!r}")
+        for kind, bound in bounds.items():
+            symbol, ok = _BOUNDS[kind]
+            if not ok(v, bound):
+                raise ValueError(f"{f.name} must be {symbol} {bound}, got {v}")
+
+
+def _launcher_world_size() -> int | None:
+    """``WORLD_SIZE`` of a launched rank (deepspeed, torchrun); ``None`` in a plain process."""
+    value = os.environ.get("WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def _default_text(f: dataclasses.Field) -> str:
     value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
     if isinstance(value, tuple):
         return " ".join(str(v) for v in value)
     return "unset" if value is None else str(value)
+
+
+def _help_text(f: dataclasses.Field) -> str:
+    text = f.metadata.get("help", "")
+    names = f.metadata.get("names")
+    return text.format(names=", ".join(names())) if names is not None else text
 
 
 def _optional(tp: type) -> Any:
@@ -272,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
             kw: dict[str, Any] = {
                 "dest": f"{section}.{f.name}" if section else f.name,
                 "default": argparse.SUPPRESS,  # absent flags leave --config values (and defaults) alone
-                "help": f"{f.metadata.get('help', '')} (default: {_default_text(f)})",
+                "help": f"{_help_text(f)} (default: {_default_text(f)})",
             }
             if tp is bool:
                 kw["action"] = argparse.BooleanOptionalAction

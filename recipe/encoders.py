@@ -111,6 +111,21 @@ def _image_data_config(
     return cfg
 
 
+def _size_pair(size: Any, what: str) -> tuple[int, int]:
+    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    if min(h, w) < 1:
+        raise ValueError(f"{what} must be positive, got {size}")
+    return int(h), int(w)
+
+
+def _fixed_input_size(name: str) -> bool:
+    """Whether the timm model's constructor fixes its input size (``img_size``), as timm records it."""
+    from timm.models import get_pretrained_cfg
+
+    cfg = get_pretrained_cfg(name) or get_pretrained_cfg(name.split(".")[0])
+    return bool(cfg is not None and cfg.fixed_input_size)
+
+
 def create_image_tower(
     name: str,
     *,
@@ -129,9 +144,10 @@ def create_image_tower(
         weights: Optional local state-dict file (safetensors or a torch pickle of a state dict, as
             timm writes them). Classifier weights in the file are dropped; every other tensor must
             match the model. Never downloads anything.
-        image_size: Input resolution recorded in the data config. For models whose constructor
-            takes ``img_size`` (ViTs) pass ``img_size=`` instead or as well; for CNNs this only sets
-            the resolution the data pipeline produces.
+        image_size: Input resolution: recorded in the data config (the resolution the data
+            pipeline produces) and, for models with a fixed input size (timm's
+            ``fixed_input_size``: ViTs, Swin...), passed to the constructor as ``img_size``. A
+            different ``img_size`` in ``timm_kwargs`` is an error.
         mean: Per-channel normalisation mean overriding timm's default for the model.
         std: Per-channel normalisation std overriding timm's default for the model.
         crop_pct: Evaluation centre-crop fraction overriding timm's (1.0: resize the shorter side
@@ -150,6 +166,13 @@ def create_image_tower(
         if reserved in timm_kwargs:
             raise ValueError(f"{reserved!r} is set by create_image_tower; use weights= for a local file")
     create_kwargs: dict[str, Any] = dict(timm_kwargs)
+    if image_size is not None:
+        size = _size_pair(image_size, "image_size")
+        if "img_size" in timm_kwargs:
+            if _size_pair(timm_kwargs["img_size"], "img_size") != size:
+                raise ValueError(f"image_size {image_size} contradicts timm img_size {timm_kwargs['img_size']}")
+        elif _fixed_input_size(name):
+            create_kwargs["img_size"] = image_size
     if weights is not None:
         path = Path(weights)
         if not path.is_file():

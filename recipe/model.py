@@ -28,7 +28,15 @@ from torch import nn
 
 from recipe.encoders import ImageTower, TextTower, create_image_tower, create_text_tower
 
-__all__ = ["ImageTowerConfig", "TextTowerConfig", "CLIPConfig", "CLIP", "PRESETS", "create_model"]
+__all__ = [
+    "ImageTowerConfig",
+    "TextTowerConfig",
+    "CLIPConfig",
+    "CLIP",
+    "PRESETS",
+    "create_model",
+    "keep_batchnorm_fp32",
+]
 
 INIT_LOGIT_SCALE = math.log(1 / 0.07)
 MAX_LOGIT_SCALE = 100.0
@@ -115,6 +123,81 @@ class CLIPConfig:
         return cls(image=image, text=text, **data)
 
 
+# --------------------------------------------------------------------------------------------------
+# BatchNorm in a half-precision model
+# --------------------------------------------------------------------------------------------------
+
+_HALF = (torch.float16, torch.bfloat16)
+_STATS = ("running_mean", "running_var")
+
+
+class _Fp32BatchNorm:
+    """Put in front of a BatchNorm class by :func:`keep_batchnorm_fp32` (see there)."""
+
+    def _stats_to_fp32(self) -> None:
+        for name in _STATS:
+            buf = self._buffers.get(name)  # type: ignore[attr-defined]
+            if buf is not None and buf.dtype in _HALF:
+                self._buffers[name] = buf.float()  # type: ignore[attr-defined]
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        # ``.half()``/``.to(bf16)`` move the statistics but leave them in their (fp32) precision
+        before = {n: b for n in _STATS if (b := self._buffers.get(n)) is not None and b.dtype not in _HALF}
+        super()._apply(fn, recurse)  # type: ignore[misc]
+        for name, old in before.items():
+            new = self._buffers[name]  # type: ignore[attr-defined]
+            if new.dtype in _HALF:
+                self._buffers[name] = old.to(new.device)  # type: ignore[attr-defined]
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._stats_to_fp32()  # buffers cast by other means (e.g. DeepSpeed's data_types.buffer_dtype)
+        params = self._parameters  # type: ignore[attr-defined]
+        half = {n: p for n, p in params.items() if p is not None and p.dtype in _HALF}
+        if not half:
+            return super().forward(x)  # type: ignore[misc]
+        try:  # fp32 views of the affine parameters for this call (autograd casts their gradients back)
+            params.update({n: p.float() for n, p in half.items()})
+            return super().forward(x)  # type: ignore[misc]
+        finally:
+            params.update(half)
+
+
+_FP32_BATCHNORM_CLASSES: dict[type, type] = {}
+
+
+def keep_batchnorm_fp32(module: nn.Module) -> nn.Module:
+    """Makes every BatchNorm layer of ``module`` work whatever dtype the module is cast to.
+
+    DeepSpeed's bf16/fp16 modes cast parameters only and keep buffers in fp32, so a BatchNorm layer
+    would see half-precision input, weight and bias next to fp32 running statistics, a combination
+    ``torch.batch_norm`` rejects (``expected scalar type BFloat16 but found Float``). Every
+    ``nn.modules.batchnorm._BatchNorm`` (timm's ``BatchNormAct2d`` included) is given a class that
+
+    * computes with fp32 views of its affine parameters (the parameters themselves keep their
+      dtype, so ZeRO's flat partitions and the optimizer groups are unchanged), and fp32 running
+      statistics: torch's mixed-precision batch norm, which returns the input's dtype and updates
+      the fp32 statistics;
+    * keeps the running statistics fp32 under ``.half()``, ``.bfloat16()`` or ``.to(dtype)``
+      (momentum updates of half statistics would be lost to rounding), and converts statistics that
+      reach it in half precision otherwise.
+
+    A full-precision model computes exactly as before. Returns ``module`` (changed in place).
+    """
+    for m in module.modules():
+        if not isinstance(m, nn.modules.batchnorm._BatchNorm) or isinstance(m, _Fp32BatchNorm):
+            continue
+        cls = type(m)
+        if cls not in _FP32_BATCHNORM_CLASSES:
+            name = f"Fp32Stats{cls.__name__}"
+            name += f"_{len(_FP32_BATCHNORM_CLASSES)}" if name in globals() else ""  # another module's namesake
+            new = type(cls.__name__, (_Fp32BatchNorm, cls), {"__module__": __name__, "__qualname__": name})
+            globals()[name] = _FP32_BATCHNORM_CLASSES[cls] = new  # found by pickle in this process
+        m.__class__ = _FP32_BATCHNORM_CLASSES[cls]
+        m._stats_to_fp32()
+    return module
+
+
 class CLIP(nn.Module):
     """Two towers, linear projections to a shared width, L2 normalisation and a learnable
     temperature stored in log space.
@@ -145,6 +228,7 @@ class CLIP(nn.Module):
                 nn.init.zeros_(proj.bias)
         self.logit_scale = nn.Parameter(torch.full((1,), float(config.init_logit_scale)))
         self.max_log_logit_scale = math.log(config.max_logit_scale)
+        keep_batchnorm_fp32(self)  # BatchNorm towers train and evaluate on every precision route
 
     @property
     def embed_dim(self) -> int:
@@ -284,7 +368,8 @@ def create_model(
         text_encoder: Built-in text config name, config JSON path or local model directory.
         embed_dim: Shared embedding width.
         image_weights: Local state-dict file for the image tower.
-        image_size: Input resolution for the data config.
+        image_size: Input resolution of the image tower and its data config (replaces a preset's
+            ``img_size``; see :func:`recipe.encoders.create_image_tower`).
         image_kwargs: Extra ``timm.create_model`` keyword arguments (merged into the preset's).
         text_pooling: ``eos``, ``cls``, ``mean`` or ``last``.
         text_overrides: transformers config attributes (merged into the preset's).
@@ -321,6 +406,8 @@ def create_model(
         cfg.image.weights = str(image_weights)
     if image_size is not None:
         cfg.image.image_size = int(image_size)
+        if "img_size" in cfg.image.timm_kwargs:  # a preset's fixed input size follows the new size
+            cfg.image.timm_kwargs = {**cfg.image.timm_kwargs, "img_size": int(image_size)}
     if image_kwargs:
         cfg.image.timm_kwargs = {**cfg.image.timm_kwargs, **image_kwargs}
     if text_pooling is not None:
@@ -338,6 +425,10 @@ def create_model(
 
     if tokenizer is not None:
         _apply_tokenizer(cfg, tokenizer)
+    sizes = {"embed_dim": cfg.embed_dim, "image_size": cfg.image.image_size, "context_length": cfg.text.context_length}
+    for name, value in sizes.items():
+        if value is not None and value < 1:  # embed_dim 0 would train at loss ln(batch), learning nothing
+            raise ValueError(f"{name} must be >= 1, got {value}")
 
     visual = create_image_tower(
         cfg.image.name,

@@ -22,13 +22,23 @@ Three modes:
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["Precision", "DynamicLossScaler", "resolve_precision", "ConfigError", "allreduce_gradients"]
+__all__ = [
+    "Precision",
+    "DynamicLossScaler",
+    "resolve_precision",
+    "read_ds_config",
+    "ConfigError",
+    "allreduce_gradients",
+]
 
 
 class ConfigError(ValueError):
@@ -140,6 +150,82 @@ def resolve_precision(ds_config: dict[str, Any]) -> tuple[Precision, dict[str, A
         prec = Precision("fp16", 0, torch.float16, torch.float16, True, scaler, clip)
         return prec, cfg
     return Precision("fp32", stage, torch.float32, torch.float32, False), cfg
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def read_ds_config(path: str | os.PathLike, world_size: int | None = None) -> dict[str, Any]:
+    """Reads and checks a DeepSpeed JSON before anything is built; returns it as read.
+
+    Checked: valid JSON holding an object; ``train_batch_size``, ``train_micro_batch_size_per_gpu``
+    and ``gradient_accumulation_steps`` are positive integers where given, at least one of the
+    first two is given, and those given agree (``train_batch_size = micro x accumulation x
+    world_size``; without ``world_size`` the divisibility that any world size needs); ZeRO stage
+    0-3; ``gradient_clipping`` finite and >= 0; and everything :func:`resolve_precision` checks.
+
+    Args:
+        path: The JSON file.
+        world_size: Data-parallel ranks, when known (the batch-size equation is then exact).
+
+    Raises:
+        FileNotFoundError: No such file.
+        ConfigError: Anything else; the message starts with the path (and gives line and column
+            of malformed JSON).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"DeepSpeed config not found: {path}")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: a DeepSpeed config is a JSON object, got {type(cfg).__name__}")
+    try:
+        _check_batch_sizes(cfg, world_size)
+        _check_zero_and_clipping(cfg)
+        resolve_precision(cfg)
+    except (ValueError, TypeError) as e:  # ConfigError, or int()/float() of a malformed entry
+        raise ConfigError(f"{path}: {e}") from e
+    return cfg
+
+
+def _check_batch_sizes(cfg: dict[str, Any], world_size: int | None) -> None:
+    given = {k: cfg[k] for k in _BATCH_KEYS if cfg.get(k) is not None}
+    for key, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    total = given.get("train_batch_size")
+    micro = given.get("train_micro_batch_size_per_gpu")
+    accum = given.get("gradient_accumulation_steps")
+    if total is None and micro is None:
+        raise ConfigError("give train_micro_batch_size_per_gpu (or train_batch_size)")
+    if total is None:
+        return
+    # the part of train_batch_size the other entries fix; DeepSpeed derives the rest
+    fixed = (micro or 1) * (accum or 1) * (world_size or 1)
+    exact = micro is not None and accum is not None and world_size is not None
+    if (exact and total != fixed) or total % fixed:
+        parts = [f"{k} {v}" for k, v in given.items() if k != "train_batch_size"]
+        parts += [f"world size {world_size}"] if world_size is not None else []
+        relation = "!=" if exact else "is not a multiple of"
+        product = " x ".join(parts) + (f" = {fixed}" if len(parts) > 1 else "")
+        raise ConfigError(f"train_batch_size {total} {relation} {product}")
+
+
+def _check_zero_and_clipping(cfg: dict[str, Any]) -> None:
+    zero = cfg.get("zero_optimization") or {}
+    if not isinstance(zero, dict):
+        raise ConfigError(f"zero_optimization must be an object, got {zero!r}")
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    clip = cfg.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
+        raise ConfigError(f"gradient_clipping must be a finite number >= 0, got {clip!r}")
 
 
 def allreduce_gradients(params: list[torch.Tensor], bucket_bytes: int = 1 << 26) -> None:

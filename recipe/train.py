@@ -43,7 +43,7 @@ from .memory import live_bytes_per_param
 from .metrics import MetricsLogger, peak_memory_bytes
 from .model import create_model
 from .optimizer import lr_at
-from .precision import ConfigError, Precision, resolve_precision
+from .precision import ConfigError, Precision, read_ds_config, resolve_precision
 from .preempt import PREEMPTED_EXIT_CODE, StopRequest
 from .rundir import RunLock, RunLockError, prepare_run_dir
 from .step import StepResult, TrainState, train_step
@@ -66,7 +66,7 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict[str, Any]:
     requested.
     """
     init_distributed()
-    prec, ds_config = resolve_precision(json.loads(Path(cfg.deepspeed_config).read_text()))
+    prec, ds_config = resolve_precision(read_ds_config(cfg.deepspeed_config, world_size=rank_world()[1]))
     run_dir = Path(cfg.output_dir)
     lock = take_run_lock(run_dir)
     try:
@@ -190,14 +190,8 @@ def get_tokenizer(cfg: TrainConfig, run_dir: Path) -> Any:
 def build_model(cfg: TrainConfig, tokenizer: Any, run_dir: Path) -> torch.nn.Module:
     """The CLIP model of ``cfg`` (same initialisation on every rank); rank 0 saves its config."""
     m = cfg.model
-    model = create_model(
-        m.preset,
-        image_encoder=m.image_encoder,
-        text_encoder=m.text_encoder,
-        embed_dim=m.embed_dim,
-        image_weights=m.image_weights,
-        tokenizer=tokenizer,
-    )
+    model = create_model(m.preset, image_encoder=m.image_encoder, text_encoder=m.text_encoder, embed_dim=m.embed_dim,
+                         image_size=m.image_size, image_weights=m.image_weights, tokenizer=tokenizer)
     if rank_world()[0] == 0:
         checkpoint.atomic_write_bytes(
             run_dir / "model_config.json", json.dumps(model.config.to_dict(), indent=2).encode()

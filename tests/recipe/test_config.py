@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from recipe.config import TrainConfig, build_parser, config_from_dict, parse_args
-from recipe.precision import ConfigError, DynamicLossScaler, resolve_precision
+import typing
+
+from recipe.config import TrainConfig, _flag, _leaves, _sections, _unwrap, build_parser, config_from_dict, parse_args
+from recipe.encoders import TEXT_CONFIGS
+from recipe.model import PRESETS
+from recipe.precision import ConfigError, DynamicLossScaler, read_ds_config, resolve_precision
 from recipe.optimizer import lr_at
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,6 +112,19 @@ def test_config_file_round_trip_and_flag_override(tmp_path: Path) -> None:
         (["--lr", "-1"], "lr"),
         (["--workers", "-1"], "workers"),
         (["--chunk-size", "0"], "chunk_size"),
+        (["--embed-dim", "0"], "embed_dim must be >= 1, got 0"),
+        (["--image-size", "0"], "image_size must be >= 1, got 0"),
+        (["--context-length", "-3"], "context_length must be >= 1, got -3"),
+        (["--vocab-size", "0"], "vocab_size"),
+        (["--eval-batch-size", "0"], "eval_batch_size"),
+        (["--epochs", "0"], "epochs must be > 0"),
+        (["--num-samples", "0"], "num_samples"),
+        (["--hflip", "1.5"], "hflip must be <= 1"),
+        (["--beta2", "1"], "beta2 must be < 1"),
+        (["--train-scale", "0", "1"], "train_scale must be > 0"),
+        (["--train-scale", "1", "0.5"], "train_scale must be a range"),
+        (["--text-encoder", "no-such-tower"], "text_encoder 'no-such-tower' is neither a built-in"),
+        (["--image-encoder", "resnet_99"], "image_encoder 'resnet_99' is not a timm model name"),
         (["--deepspeed_config", "missing.json"], "DeepSpeed config"),
         (["--preset", "", "--image-encoder", "vit_tiny_patch16_224"], "text_encoder"),
     ],
@@ -120,6 +138,61 @@ def test_bad_configs_are_clear_errors(argv: list[str], error: str) -> None:
         return
     with pytest.raises((ValueError, FileNotFoundError), match=error):
         parse_args(full)
+
+
+def _numeric(hint: object) -> bool:
+    tp, _ = _unwrap(hint)
+    elem = typing.get_args(tp)[0] if typing.get_origin(tp) is tuple else tp
+    return elem in (int, float)
+
+
+def test_every_number_in_the_config_is_range_checked() -> None:
+    """Every numeric field declares its range; a value outside it is a ValueError naming the field
+    (sizes and counts: >= 1), its bound itself is accepted."""
+    fields = {f.name: (f, hint) for cls in _sections().values() for f, hint in _leaves(cls)}
+    numeric = {name for name, (_, hint) in fields.items() if _numeric(hint)}
+    bounds = {name: fields[name][0].metadata.get("bounds") for name in numeric}
+    assert all(bounds.values()), [n for n, b in bounds.items() if not b]
+    sizes = {n for n, b in bounds.items() if b.get("ge") == 1 or b.get("gt") == 0}
+    assert {"embed_dim", "context_length", "vocab_size", "image_size", "eval_batch_size", "chunk_size", "steps",
+            "epochs", "prefetch_factor", "shuffle_buffer", "num_samples", "log_every"} <= sizes
+    for name in sorted(numeric):
+        hint = fields[name][1]
+        is_int = _unwrap(hint)[0] is int
+        width = len(typing.get_args(_unwrap(hint)[0])) or 1
+        for kind, bound in bounds[name].items():
+            bad = {"ge": bound - 1, "gt": bound, "le": bound + 1, "lt": bound}[kind]
+            argv = ["--deepspeed_config", DS, _flag(name), *[str(int(bad) if is_int else float(bad))] * width]
+            with pytest.raises(ValueError, match=f"^{name} must be"):
+                parse_args(argv)
+            if kind == "ge" and width == 1:  # the bound itself is in range
+                parse_args(["--deepspeed_config", DS, _flag(name), str(int(bound) if is_int else float(bound))])
+    with pytest.raises(ValueError, match="steps must be an integer"):
+        config_from_dict({"steps": 2.5, "deepspeed_config": DS}).validate()
+
+
+def test_help_lists_presets_and_text_towers_from_their_registries(monkeypatch: pytest.MonkeyPatch) -> None:
+    def helps() -> dict[str, str]:
+        return {a.dest.rpartition(".")[2]: a.help for a in build_parser()._actions}
+
+    text = build_parser().format_help()
+    for name in [*PRESETS, *TEXT_CONFIGS]:
+        assert name in text, name
+    assert all(name in helps()["preset"] for name in PRESETS)
+    assert all(name in helps()["text_encoder"] for name in TEXT_CONFIGS)
+    monkeypatch.setitem(PRESETS, "tiny-2", PRESETS["tiny"])  # one registry entry: the help and the check follow
+    monkeypatch.setitem(TEXT_CONFIGS, "bert-tiny-2", TEXT_CONFIGS["bert-tiny"])
+    assert "tiny-2" in helps()["preset"] and "bert-tiny-2" in helps()["text_encoder"]
+    cfg = parse_args(["--deepspeed_config", DS, "--preset", "tiny-2", "--text-encoder", "bert-tiny-2"])
+    assert (cfg.model.preset, cfg.model.text_encoder) == ("tiny-2", "bert-tiny-2")
+    with pytest.raises(ValueError, match="preset must be one of ViT-B-32, tiny, tiny-resnet, tiny-convnext, tiny-2"):
+        parse_args(["--deepspeed_config", DS, "--preset", "ViT-Z-99"])
+
+
+def test_image_size_flag() -> None:
+    assert parse_args(["--deepspeed_config", DS, "--image-size", "48"]).model.image_size == 48
+    assert parse_args(["--deepspeed_config", DS, "--image-size", ""]).model.image_size is None
+    assert "--image-size IMAGE_SIZE" in build_parser().format_help()
 
 
 def test_unknown_config_keys_are_rejected() -> None:
@@ -171,6 +244,67 @@ def test_precision_modes_from_the_shipped_configs() -> None:
 def test_contradictory_precision_configs_are_rejected(cfg: dict, error: str) -> None:
     with pytest.raises(ConfigError, match=error):
         resolve_precision(cfg)
+
+
+def _write(tmp: Path, text: str) -> str:
+    path = tmp / "ds.json"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "edit, error",
+    [
+        ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu must be a positive integer, got 0"),
+        ({"train_micro_batch_size_per_gpu": "auto"}, "train_micro_batch_size_per_gpu must be a positive integer"),
+        ({"train_micro_batch_size_per_gpu": 2.5}, "train_micro_batch_size_per_gpu must be a positive integer"),
+        ({"gradient_accumulation_steps": -1}, "gradient_accumulation_steps must be a positive integer, got -1"),
+        ({"gradient_accumulation_steps": True}, "gradient_accumulation_steps must be a positive integer"),
+        ({"train_batch_size": 0}, "train_batch_size must be a positive integer"),
+        ({"train_batch_size": 100}, "train_batch_size 100 is not a multiple of train_micro_batch_size_per_gpu 64"),
+        ({"train_micro_batch_size_per_gpu": None}, "give train_micro_batch_size_per_gpu"),
+        ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage must be 0, 1, 2 or 3"),
+        ({"gradient_clipping": -1.0}, "gradient_clipping must be a finite number >= 0"),
+        ({"fp16": {"enabled": True}}, "both bf16 and fp16"),
+        ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}, "zero_optimization": {"stage": 0}},
+         "ZeRO stage 1, 2 or 3"),
+    ],
+)
+def test_bad_deepspeed_json_fails_at_parse_time_naming_the_file(edit: dict, error: str, tmp_path: Path) -> None:
+    cfg = {k: v for k, v in {**load("zero2_bf16_halfmaster.json"), **edit}.items() if v is not None}
+    path = _write(tmp_path, json.dumps(cfg))
+    with pytest.raises(ConfigError, match=f"^{re.escape(path)}: .*{error}"):
+        parse_args(["--deepspeed_config", path])  # before any model, engine or data is built
+
+
+def test_malformed_deepspeed_json_names_file_line_and_column(tmp_path: Path) -> None:
+    path = _write(tmp_path, '{\n  "train_micro_batch_size_per_gpu": 4,\n  "bf16": {"enabled": true,}\n}\n')
+    with pytest.raises(ConfigError, match=f"^{re.escape(path)}: not valid JSON: .* at line 3, column 28$"):
+        parse_args(["--deepspeed_config", path])
+    path = _write(tmp_path, "[4]")
+    with pytest.raises(ConfigError, match="a DeepSpeed config is a JSON object, got list"):
+        read_ds_config(path)
+    with pytest.raises(FileNotFoundError, match="DeepSpeed config not found: .*missing.json"):
+        read_ds_config(tmp_path / "missing.json")
+
+
+def test_deepspeed_batch_sizes_against_the_world_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 2}
+    ok = _write(tmp_path, json.dumps({**base, "train_batch_size": 64}))
+    assert read_ds_config(ok, world_size=2)["train_batch_size"] == 64
+    with pytest.raises(ConfigError, match="train_batch_size 64 != .* x world size 4 = 128"):
+        read_ds_config(ok, world_size=4)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # a launched rank: parse_args knows the world size
+    with pytest.raises(ConfigError, match="world size 4"):
+        parse_args(["--deepspeed_config", ok])
+    # DeepSpeed derives a missing entry: only the divisibility is checked
+    assert read_ds_config(_write(tmp_path, '{"train_batch_size": 64}'), world_size=4)
+    assert read_ds_config(_write(tmp_path, '{"train_batch_size": 64, "gradient_accumulation_steps": 8}'), world_size=4)
+    with pytest.raises(ConfigError, match="train_batch_size 64 is not a multiple of world size 3$"):
+        read_ds_config(_write(tmp_path, '{"train_batch_size": 64}'), world_size=3)
+    for name in ("zero0_fp16_sr_lossscale.json", "zero1_bf16_halfmaster.json", "zero2_bf16_halfmaster.json",
+                 "zero3_bf16_halfmaster.json", "zero2_fp32.json"):
+        assert read_ds_config(ROOT / "ds_configs" / name, world_size=8) == load(name)
 
 
 def test_dynamic_loss_scaler_follows_deepspeed_semantics() -> None:

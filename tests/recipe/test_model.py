@@ -556,6 +556,9 @@ def test_bad_model_arguments():
         create_model("ViT-Z-99")
     with pytest.raises(ValueError, match="both"):
         create_model(image_encoder="resnet18")
+    for size in ("embed_dim", "image_size", "context_length"):  # embed_dim 0 would train at loss ln(B)
+        with pytest.raises(ValueError, match=f"{size} must be >= 1, got 0"):
+            create_model("tiny", **{size: 0})
 
 
 # ---------------------------------------------------------------------------------------------
