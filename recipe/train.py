@@ -339,6 +339,10 @@ def _fail(rank: int, error: BaseException, code: int, run_dir: Path | None = Non
         where = f" (traceback: {run_dir / 'error.log'})"
     if rank == 0:
         print(f"error: {error}{where}", file=sys.stderr, flush=True)
+    else:
+        # the launcher terminates every rank as soon as one exits with an error: give rank 0 the
+        # moment it needs to print the message before this rank's exit brings that about
+        time.sleep(3)
     return code
 
 
