@@ -345,12 +345,12 @@ def _rank_worker(
     preset: str = "tiny",
     device_type: str = "cpu",
 ) -> list[dict[str, Any]]:
-    import deepspeed
+    from recipe.engine import init_distributed
 
     torch.set_num_threads(threads)
     if device_type == "cuda":
         torch.cuda.set_device(rank)
-    deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo")
+    init_distributed("nccl" if device_type == "cuda" else "gloo")
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     out = []
     for name in names:

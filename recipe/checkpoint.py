@@ -40,9 +40,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from .distributed import barrier, initialized, rank_world
+from .distributed import barrier, broadcast_from_rank0, collective_device, max_over_ranks_, rank_world
 
 __all__ = [
     "CheckpointError", "save", "load", "resolve", "complete_checkpoints", "rng_state", "set_rng_state",
@@ -130,22 +129,10 @@ def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
 def _agree(failed: BaseException | None, what: str) -> None:
     """Raises the same :class:`CheckpointError` on every rank when any rank failed (no rank is left
     waiting in a collective the failed one never reaches)."""
-    flag = torch.tensor([0 if failed is None else 1])
-    if initialized() and rank_world()[1] > 1:
-        if dist.get_backend() == "nccl":
-            flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    flag = max_over_ranks_(torch.tensor([0 if failed is None else 1], device=collective_device()))
     if int(flag.item()):  # host read: the decision is the host's
         detail = f": {type(failed).__name__}: {failed}" if failed is not None else " on another rank"
         raise CheckpointError(f"{what}{detail}") from failed
-
-
-def _broadcast_tag(tag: str) -> str:
-    if initialized() and rank_world()[1] > 1:
-        box = [tag]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return tag
 
 
 def save(engine: Any, ckpt_dir: str | os.PathLike, step: int, client_state: dict[str, Any]) -> Path:
@@ -173,7 +160,7 @@ def save(engine: Any, ckpt_dir: str | os.PathLike, step: int, client_state: dict
         except OSError as e:
             error = e
     _agree(error, f"cannot create checkpoint directory {ckpt_dir}")
-    tag = _broadcast_tag(tag)
+    tag = broadcast_from_rank0(tag)
     tag_dir = ckpt_dir / tag
     keep = f"; the previous checkpoint ({_latest_name(ckpt_dir)}) is intact"
     try:

@@ -3,10 +3,12 @@ torch.distributed, so every helper also works in a single plain process)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["rank_world", "barrier", "mean_over_ranks", "max_over_ranks_"]
+__all__ = ["rank_world", "barrier", "mean_over_ranks", "max_over_ranks_", "collective_device", "broadcast_from_rank0"]
 
 
 def initialized() -> bool:
@@ -21,6 +23,22 @@ def rank_world() -> tuple[int, int]:
 def barrier() -> None:
     if initialized():
         dist.barrier()
+
+
+def collective_device() -> torch.device:
+    """Where a tensor must live for the process group's collectives (NCCL: this rank's GPU)."""
+    if initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (a collective; ``obj`` itself without torch.distributed)."""
+    if initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
 
 
 def max_over_ranks_(flag: torch.Tensor) -> torch.Tensor:

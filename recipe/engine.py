@@ -24,8 +24,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_distributed() -> None:
-    """Initialises torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPUs).
+def init_distributed(backend: str | None = None) -> None:
+    """Initialises torch.distributed through DeepSpeed (``backend``; default NCCL on GPUs, gloo on CPUs).
 
     Under a launcher (``deepspeed``, ``torchrun``) the environment names rank and world size; a
     plain ``python`` process (a benchmark, a one-rank run) becomes rank 0 of 1 on a free local port.
@@ -35,7 +35,8 @@ def init_distributed() -> None:
     quiet_deepspeed()
     if torch.distributed.is_initialized():
         return
-    if not torch.cuda.is_available():
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "gloo":
         # DeepSpeed's CPU backend builds a shared-memory op at start: minutes of compilation on a
         # first run and two 66 MiB /dev/shm files per run that nothing removes. It serves only the
         # inference all-reduce; training collectives go through torch.distributed (gloo) anyway.
@@ -52,7 +53,7 @@ def init_distributed() -> None:
         for key, value in defaults.items():
             os.environ.setdefault(key, value)
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(dist_backend=backend)
 
 
 class _DropNotice(logging.Filter):

@@ -29,13 +29,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 
 from . import checkpoint
 from .checkpoint import CheckpointError
 from .config import TrainConfig, parse_args
 from .data import build_eval_loader, build_train_loader, read_captions
-from .distributed import barrier, initialized, mean_over_ranks, rank_world
+from .distributed import barrier, broadcast_from_rank0, mean_over_ranks, rank_world
 from .engine import build_engine, eval_module, init_distributed
 from .evaluate import evaluate, load_prompts
 from .loss import ClipLoss
@@ -163,10 +162,7 @@ def take_run_lock(run_dir: Path) -> RunLock:
             lock.acquire()
         except RunLockError as e:
             error = str(e)
-    if initialized() and rank_world()[1] > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
+    error = broadcast_from_rank0(error)
     if error is not None:
         raise RunLockError(error)
     return lock

@@ -369,9 +369,9 @@ class ClipLoader:
         keys = [*SKIP_REASONS, REPEATED]
         if not (dist.is_available() and dist.is_initialized()):
             return {k: int(self.stats.get(k, 0)) for k in keys}
-        nccl = dist.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        t = torch.tensor([self.stats.get(k, 0) for k in keys], dtype=torch.int64, device=device)
+        from recipe.distributed import collective_device
+
+        t = torch.tensor([self.stats.get(k, 0) for k in keys], dtype=torch.int64, device=collective_device())
         dist.all_reduce(t)
         return {k: int(v) for k, v in zip(keys, t.tolist())}
 
