@@ -163,9 +163,10 @@ class RecipeRunner(Runner):
         self, preset: str, loss_mode: str, ckpt: bool, ds_config: str, device: torch.device, batch: int, seed: int = 0
     ) -> None:
         from recipe.loss import ClipLoss
+        from recipe.precision import read_ds_config
         from recipe.step import TrainState
 
-        ds = json.loads(Path(ds_config).read_text())
+        ds = read_ds_config(ds_config)  # a bad JSON is named, as in training
         ds["train_micro_batch_size_per_gpu"] = batch
         ds["gradient_accumulation_steps"] = 1
         ds.pop("train_batch_size", None)
