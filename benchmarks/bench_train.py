@@ -15,6 +15,12 @@ Arms (each trains on the same random pixels and tokens, generated from one seed)
   Without ``open_clip`` installed the arm is ``torch-amp``: the recipe's own model in fp32 under
   the same autocast + AdamW, with the recipe's plain loss (the table says so).
 
+Gradient accumulation (``--accumulation 1 4``): each recipe arm also runs with the same per-rank batch
+split into k micro-batches under DeepSpeed's ``gradient_accumulation_steps`` = k, with
+``--contrastive-batch`` ``global`` (default: one loss over all k micro-batches through the embedding
+cache of :mod:`recipe.passes`, the cost of which this measures) or ``micro``. The largest-batch
+search runs at accumulation 1 only.
+
 Per arm, with and without gradient checkpointing: samples/s over ``--steps`` timed steps after
 ``--warmup`` steps (one step = forward, loss, backward, optimizer step), peak memory during the
 timed steps, and the largest batch that fits.
@@ -35,6 +41,7 @@ Usage::
     python benchmarks/bench_train.py                      # CUDA if present: ViT-B-32, batch 512
     python benchmarks/bench_train.py --device cpu         # tiny presets, batch 32
     python benchmarks/bench_train.py --fit none --ckpt off --steps 5   # quick look
+    python benchmarks/bench_train.py --device cpu --fit none --accumulation 1 4   # embedding cache cost
 
 Output: a markdown table (device, versions, date) on stdout and a JSON file
 (``benchmarks/results/bench_train_<device>.json`` by default).
@@ -105,6 +112,8 @@ class BenchSettings:
     steps: int = 10
     ckpt: list[bool] = field(default_factory=lambda: [False, True])
     loss_modes: list[str] = field(default_factory=lambda: ["plain", "fused"])
+    accumulation: list[int] = field(default_factory=lambda: [1])  # recipe arms: micro-batches per step
+    contrastive_batch: str = "global"
     baseline: bool = True
     fit: str = "all"  # all | off (checkpointing off only) | none
     max_batch: int | None = None  # 65536 on CUDA, 4 x batch on CPU
@@ -130,6 +139,10 @@ def resolve_settings(s: BenchSettings) -> BenchSettings:
         raise ValueError("need batch >= 2, steps >= 1 and warmup >= 1 (the first step creates the optimizer state)")
     if s.fit not in ("all", "off", "none"):
         raise ValueError(f"fit must be all, off or none, got {s.fit!r}")
+    if any(a < 1 or s.batch % a for a in s.accumulation):
+        raise ValueError(f"every accumulation must be >= 1 and divide the batch ({s.batch}), got {s.accumulation}")
+    if s.contrastive_batch not in ("global", "micro"):
+        raise ValueError(f"contrastive_batch must be global or micro, got {s.contrastive_batch!r}")
     if s.max_batch < s.batch:
         raise ValueError(f"max_batch ({s.max_batch}) is below batch ({s.batch})")
     if cuda and not torch.cuda.is_available():
@@ -160,24 +173,38 @@ class RecipeRunner(Runner):
     groups) stepped by the recipe's own :func:`recipe.step.train_step`."""
 
     def __init__(
-        self, preset: str, loss_mode: str, ckpt: bool, ds_config: str, device: torch.device, batch: int, seed: int = 0
+        self,
+        preset: str,
+        loss_mode: str,
+        ckpt: bool,
+        ds_config: str,
+        device: torch.device,
+        batch: int,
+        seed: int = 0,
+        accumulation: int = 1,
+        contrastive_batch: str = "global",
     ) -> None:
         from recipe.loss import ClipLoss
         from recipe.precision import read_ds_config
         from recipe.step import TrainState
 
         ds = read_ds_config(ds_config)  # a bad JSON is named, as in training
-        ds["train_micro_batch_size_per_gpu"] = batch
-        ds["gradient_accumulation_steps"] = 1
+        if batch % accumulation:
+            raise ValueError(f"batch {batch} is not a multiple of the accumulation {accumulation}")
+        ds["train_micro_batch_size_per_gpu"] = batch // accumulation
+        ds["gradient_accumulation_steps"] = accumulation
         ds.pop("train_batch_size", None)
         self.arm = build_recipe_arm(preset, ds, seed, grad_checkpointing=ckpt)
         self.loss_fn = ClipLoss(mode=loss_mode, validate=False)
         self.state = TrainState()
         self.device = device
         self.name = f"recipe-{loss_mode}"
+        self.accumulation, self.contrastive_batch = accumulation, contrastive_batch
         self.description = (
             f"recipe {preset}, DeepSpeed {self.arm.precision.label} (SR text, fp32-master image), ClipLoss {loss_mode}"
         )
+        if accumulation > 1:
+            self.description += f", {accumulation} micro-batches per step, contrastive batch {contrastive_batch}"
         model = self.arm.model
         self.text = TextSpec.of(model)
         self.image_size = int(model.image_data_config()["input_size"][-1])
@@ -186,9 +213,12 @@ class RecipeRunner(Runner):
     def step(self, inputs: dict[str, torch.Tensor]) -> float:
         from recipe.step import train_step
 
-        a = self.arm
+        a, k = self.arm, self.accumulation
+        micro = next(iter(inputs.values())).shape[0] // k
+        batches = [{n: v[i * micro : (i + 1) * micro] for n, v in inputs.items()} for i in range(k)]
         result = train_step(
-            a.engine, a.optimizer, self.loss_fn, a.precision, [inputs], self.state, max_nonfinite_in_row=10**9
+            a.engine, a.optimizer, self.loss_fn, a.precision, batches, self.state, max_nonfinite_in_row=10**9,
+            contrastive_batch=self.contrastive_batch,
         )
         return float(result.loss)
 
@@ -338,6 +368,8 @@ def build_runner(spec: dict[str, Any], device: torch.device) -> Runner:
             device,
             spec["batches"][0]["batch"],
             spec["seed"],
+            spec.get("accumulation", 1),
+            spec.get("contrastive_batch", "global"),
         )
     if arm in ("openclip", "torch-amp"):
         return OpenClipRunner(spec["preset"], spec["ckpt"], device, spec["seed"], fallback=arm == "torch-amp")
@@ -359,6 +391,7 @@ def measure_worker(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None])
         out: dict[str, Any] = {
             "arm": runner.name,
             "ckpt": spec["ckpt"],
+            "accumulation": spec.get("accumulation", 1),
             "batch": batch,
             "kind": entry["kind"],
             "params": runner.params,
@@ -546,10 +579,12 @@ def available_arms(loss_modes: list[str], baseline: bool, device: str = "cpu") -
     return arms, missing
 
 
-def _spec(s: BenchSettings, arm: str, ckpt: bool, batches: list[dict[str, Any]]) -> dict[str, Any]:
+def _spec(s: BenchSettings, arm: str, ckpt: bool, batches: list[dict[str, Any]], accumulation: int = 1) -> dict:
     return {
         "arm": arm,
         "ckpt": ckpt,
+        "accumulation": accumulation,
+        "contrastive_batch": s.contrastive_batch,
         "preset": s.preset,
         "device": s.device,
         "ds_config": s.ds_config,
@@ -565,9 +600,10 @@ def run_benchmark(s: BenchSettings, log: Callable[[str], None] = print) -> dict[
     s = resolve_settings(s)
     arms, missing = available_arms(s.loss_modes, s.baseline, s.device)
     rows: list[dict[str, Any]] = []
+    plan = [(arm, a) for arm in arms for a in (s.accumulation if arm.startswith("recipe-") else [1])]
     for ckpt in s.ckpt:
-        for arm in arms:
-            fit = s.fit == "all" or (s.fit == "off" and not ckpt)
+        for arm, accumulation in plan:
+            fit = accumulation == 1 and (s.fit == "all" or (s.fit == "off" and not ckpt))
             timed = [{"batch": s.batch, "warmup": s.warmup, "steps": s.steps, "kind": "timed"}]
             ascent = []
             b = s.batch * 2
@@ -579,9 +615,10 @@ def run_benchmark(s: BenchSettings, log: Callable[[str], None] = print) -> dict[
             batches = timed + [{"batch": b, "warmup": 1, "steps": 1, "kind": "probe"} for b in ascent]
             log(
                 f"{arm}, checkpointing {'on' if ckpt else 'off'}: batch {s.batch}"
+                + (f" in {accumulation} micro-batches" if accumulation > 1 else "")
                 + (f", then probing {ascent}" if ascent else "")
             )
-            results = run_worker(_spec(s, arm, ckpt, batches), s.timeout_s)
+            results = run_worker(_spec(s, arm, ckpt, batches, accumulation), s.timeout_s)
             main_result = next((r for r in results if r["kind"] == "timed"), None)
             if main_result is None:
                 raise RuntimeError(f"{arm} produced no result")
@@ -616,8 +653,9 @@ def _row_line(r: dict[str, Any]) -> str:
     if not r.get("fits", False) and "samples_per_s" not in r:
         return f"  {r['arm']} ckpt={r['ckpt']}: batch {r['batch']} does not fit ({r.get('error')})"
     fit = f", largest batch {r.get('largest_batch')}" if "largest_batch" in r else ""
+    acc = f" accumulation {r['accumulation']}" if r.get("accumulation", 1) > 1 else ""
     return (
-        f"  {r['arm']} ckpt={r['ckpt']}: {r['samples_per_s']:.1f} samples/s, peak {r['peak_bytes'] / MIB:.1f} MiB{fit}"
+        f"  {r['arm']}{acc} ckpt={r['ckpt']}: {r['samples_per_s']:.1f} samples/s, peak {r['peak_bytes'] / MIB:.1f} MiB{fit}"
     )
 
 
@@ -648,14 +686,17 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"transformers {v['transformers']}, open_clip {v['open_clip']}. Preset {s['preset']}, batch {s['batch']}, "
         f"{s['steps']} timed steps after {s['warmup']} warm-up steps, one process.",
         "",
-        f"| arm | grad ckpt | params | samples/s | {mem_name} ({unit}) | largest batch "
+        f"| arm | accumulation | grad ckpt | params | samples/s | {mem_name} ({unit}) | largest batch "
         "| vs baseline: speed | vs baseline: memory |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         if "samples_per_s" not in r:
             ckpt = "on" if r["ckpt"] else "off"
-            lines.append(f"| {r['arm']} | {ckpt} | {r.get('params', '')} | does not fit at {r['batch']} | | | | |")
+            lines.append(
+                f"| {r['arm']} | {r.get('accumulation', 1)} | {ckpt} | {r.get('params', '')} "
+                f"| does not fit at {r['batch']} | | | | |"
+            )
             continue
         largest = r.get("largest_batch")
         if "largest_batch" not in r:
@@ -669,13 +710,15 @@ def markdown_table(result: dict[str, Any]) -> str:
         mem = f"{r['memory_vs_baseline']:.2f}×" if r.get("memory_vs_baseline") else "—"
         ckpt = "on" if r["ckpt"] else "off"
         lines.append(
-            f"| {r['arm']} | {ckpt} | {r['params']:,} | {r['samples_per_s']:.1f} | {r['peak_bytes'] / scale:.2f} "
+            f"| {r['arm']} | {r.get('accumulation', 1)} | {ckpt} | {r['params']:,} | {r['samples_per_s']:.1f} "
+            f"| {r['peak_bytes'] / scale:.2f} "
             f"| {fit} | {speed} | {mem} |"
         )
     lines.append("")
     for r in result["rows"]:
         if not r["ckpt"]:
-            lines.append(f"- `{r['arm']}`: {r.get('description', '')}")
+            acc = f" (accumulation {r['accumulation']})" if r.get("accumulation", 1) > 1 else ""
+            lines.append(f"- `{r['arm']}`{acc}: {r.get('description', '')}")
     for arm, why in result["unavailable"].items():
         lines.append(f"- `{arm}` not run: {why}")
     if s["device"] == "cpu":
@@ -702,6 +745,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--loss-modes", nargs="+", default=["plain", "fused"], help="recipe ClipLoss modes (missing ones are reported)"
     )
     ap.add_argument("--no-baseline", action="store_true", help="skip the OpenCLIP arm")
+    ap.add_argument(
+        "--accumulation", type=int, nargs="+", default=[1],
+        help="recipe arms: run each with the batch split into K micro-batches per optimizer step (e.g. 1 4)",
+    )
+    ap.add_argument(
+        "--contrastive-batch", choices=("global", "micro"), default="global",
+        help="recipe arms with accumulation: one loss over the whole step (global) or per micro-batch",
+    )
     ap.add_argument(
         "--fit",
         choices=("all", "off", "none"),
@@ -734,6 +785,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         steps=args.steps,
         ckpt={"both": [False, True], "off": [False], "on": [True]}[args.ckpt],
         loss_modes=args.loss_modes,
+        accumulation=args.accumulation,
+        contrastive_batch=args.contrastive_batch,
         baseline=not args.no_baseline,
         fit=args.fit,
         max_batch=args.max_batch,

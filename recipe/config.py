@@ -28,6 +28,7 @@ __all__ = [
     "OptimConfig",
     "TrainConfig",
     "LOSS_MODE_NAMES",
+    "CONTRASTIVE_BATCH_NAMES",
     "SCHEDULES",
     "build_parser",
     "config_from_dict",
@@ -37,6 +38,8 @@ __all__ = [
 #: Names of :data:`recipe.loss.LOSS_MODES` (kept here so that the config imports no torch code).
 LOSS_MODE_NAMES = ("plain", "chunked", "fused")
 SCHEDULES = ("cosine", "constant")
+#: Values of ``--contrastive-batch`` (:data:`recipe.passes.CONTRASTIVE_BATCHES`).
+CONTRASTIVE_BATCH_NAMES = ("global", "micro")
 
 
 _BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b), "le": ("<=", lambda v, b: v <= b),
@@ -190,6 +193,11 @@ class TrainConfig:
     )
     loss_mode: str = option("plain", "contrastive loss implementation: plain, chunked or fused (Triton)")
     chunk_size: int = option(4096, "tile edge of the chunked loss (caps the fused loss's tile)", ge=1)
+    contrastive_batch: str = option(
+        "global",
+        "pairs one loss contrasts: global (all micro-batches x accumulation x ranks of an optimizer step, "
+        "through an embedding cache: one extra forward per step) or micro (each micro-batch x ranks)",
+    )
     steps: int | None = option(None, "optimizer steps (or give --epochs)", ge=1)
     epochs: float | None = option(
         None, "passes over the training data (1 when neither this nor --steps is given)", gt=0
@@ -214,6 +222,10 @@ class TrainConfig:
         """
         if self.loss_mode not in LOSS_MODE_NAMES:
             raise ValueError(f"loss_mode must be one of {', '.join(LOSS_MODE_NAMES)}, got {self.loss_mode!r}")
+        if self.contrastive_batch not in CONTRASTIVE_BATCH_NAMES:
+            raise ValueError(
+                f"contrastive_batch must be one of {', '.join(CONTRASTIVE_BATCH_NAMES)}, got {self.contrastive_batch!r}"
+            )
         if self.optim.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be cosine or constant, got {self.optim.schedule!r}")
         for section, cls in _sections().items():

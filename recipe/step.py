@@ -1,7 +1,8 @@
 """One optimizer step of the recipe, and the one owner of "finite or not, skip or stop".
 
 :func:`train_step` runs the forward and backward passes of one optimizer step's micro-batches
-through the DeepSpeed engine, the precision route's unscale and clip (fp16), the optimizer step, and
+through the DeepSpeed engine (:mod:`recipe.passes`: one contrastive loss over the global batch, or one
+per micro-batch), the precision route's unscale and clip (fp16), the optimizer step, and
 then decides: a step whose loss or gradients are not finite is skipped and counted, on the fp16 route
 an overflow shrinks the loss scale, and too many non-finite steps in a row stop the run. The
 training loop (:mod:`recipe.train`) and the benchmarks (``benchmarks/``) call this same function.
@@ -26,6 +27,7 @@ from optim import SRAdamW
 
 from .distributed import max_over_ranks_, rank_world
 from .loss import ClipLoss
+from .passes import run_passes
 from .precision import Precision, allreduce_gradients
 
 __all__ = ["TrainState", "StepResult", "train_step", "record_skip", "step_kwargs", "grad_multiplier"]
@@ -52,6 +54,7 @@ class StepResult:
         skipped: The optimizer step was skipped (non-finite loss or gradients, or fp16 overflow).
         loss_nonfinite: The loss of some micro-batch was not finite on some rank.
         samples: Pairs this step trained on, all ranks.
+        contrastive_batch: Pairs each loss of the step contrasted (:class:`recipe.passes.Passes`).
         stop: Some rank asked to stop (``stop_requested``, e.g. on SIGTERM): every rank sees the same
             value, so all of them stop at this step boundary.
     """
@@ -61,6 +64,7 @@ class StepResult:
     skipped: bool
     loss_nonfinite: bool
     samples: int
+    contrastive_batch: int
     stop: bool = False
 
 
@@ -120,9 +124,13 @@ def train_step(
     max_nonfinite_in_row: int,
     after_backward: Callable[[list[torch.Tensor]], None] | None = None,
     stop_requested: bool = False,
+    contrastive_batch: str = "global",
 ) -> StepResult:
     """One optimizer step over ``batches`` (the step's micro-batches, ``gradient_accumulation_steps``
     of them), then the skip/stop decision recorded in ``state`` (:func:`record_skip`).
+
+    ``contrastive_batch`` (``global`` or ``micro``) picks the passes (:mod:`recipe.passes`): one loss
+    over all micro-batches of all ranks, or one loss per micro-batch.
 
     Every rank's batches must hold the same number of pairs (the recipe's loaders guarantee it), so
     the loss needs no size exchange. ``after_backward(live)`` runs after the last backward pass and
@@ -135,23 +143,9 @@ def train_step(
     Raises:
         FloatingPointError: Too many non-finite steps in a row.
     """
-    device = next(engine.module.parameters()).device
     world = rank_world()[1]
-    losses: list[torch.Tensor] = []
-    metrics: list[dict[str, torch.Tensor]] = []
-    samples = 0
-    batches = list(batches)
-    for i, batch in enumerate(batches):
-        pixels = batch["pixel_values"].to(device, prec.param_dtype)
-        image, text, scale = engine(pixels, batch["input_ids"].to(device), batch["attention_mask"].to(device))
-        loss, m = loss_fn(image, text, scale, sizes=[image.shape[0]] * world)
-        engine.backward(loss * prec.loss_scaler.scale if prec.loss_scaler else loss)
-        losses.append(loss.detach())
-        metrics.append(m)
-        samples += image.shape[0] * world
-        del pixels, image, text, scale, loss
-        if i < len(batches) - 1:
-            engine.step()  # DeepSpeed counts micro-steps: the update happens at the accumulation boundary
+    passes = run_passes(contrastive_batch, engine, loss_fn, prec, list(batches), world)
+    losses, metrics = passes.losses, passes.metrics
     if after_backward is not None:
         after_backward([*losses, *(v for m in metrics for v in m.values())])
     nonfinite = (~torch.isfinite(torch.stack(losses))).any().float()
@@ -167,9 +161,10 @@ def train_step(
     loss_nonfinite, skipped, stop = read_outcome(engine, opt, flags, skipped_before)
     record_skip(state, prec, skipped, loss_nonfinite, max_nonfinite_in_row)
     state.step += 1
-    state.samples += samples
+    state.samples += passes.samples
     mean = {k: torch.stack([m[k] for m in metrics]).mean() for k in metrics[0]}
-    return StepResult(torch.stack(losses).mean(), mean, skipped, loss_nonfinite, samples, stop)
+    return StepResult(torch.stack(losses).mean(), mean, skipped, loss_nonfinite, passes.samples,
+                      passes.contrastive_batch, stop)
 
 
 def read_outcome(

@@ -95,7 +95,9 @@ def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
     loss_fn = ClipLoss(mode=cfg.loss_mode, chunk_size=cfg.chunk_size, validate=False)
     log = MetricsLogger(run_dir, total, rank == 0, state.step)
     log.write(
-        f"{prec.label}, {world} ranks x micro-batch {micro} x accumulation {accum}, {total} steps, run dir {run_dir}"
+        f"{prec.label}, {world} ranks x micro-batch {micro} x accumulation {accum}, contrastive batch "
+        f"{contrastive_batch_size(cfg.contrastive_batch, micro, accum, world)} ({cfg.contrastive_batch}), "
+        f"{total} steps, run dir {run_dir}"
     )
     batches, t0, start_samples = _forever(loader), time.perf_counter(), state.samples
     result: StepResult | None = None
@@ -104,7 +106,7 @@ def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
             g["lr"] = lr_at(state.step, cfg, total)
         micro_batches = [next(batches) for _ in range(accum)]
         result = train_step(engine, opt, loss_fn, prec, micro_batches, state, cfg.max_nonfinite_in_row,
-                            stop_requested=stop.requested)
+                            stop_requested=stop.requested, contrastive_batch=cfg.contrastive_batch)
         log.advance()
         samples_per_s = (state.samples - start_samples) / max(time.perf_counter() - t0, 1e-9)
         if state.step % cfg.log_every == 0 or state.step == total:
@@ -130,6 +132,8 @@ def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
         nonfinite_steps=state.nonfinite_steps,
         overflow_steps=state.overflow_steps,
         precision=prec.label,
+        contrastive_batch=cfg.contrastive_batch,
+        contrastive_batch_size=contrastive_batch_size(cfg.contrastive_batch, micro, accum, world),
         world_size=world,
         run_dir=str(run_dir),
     )
@@ -241,6 +245,7 @@ def train_metrics(
         "lr": opt.param_groups[0]["lr"],
         "logit_scale": float(engine.module.logit_scale.detach().float().exp()),
         "samples_per_s": samples_per_s,
+        "contrastive_batch": result.contrastive_batch,
         "grad_norm": float(gn) if gn is not None else float("nan"),
         "loss_scale": prec.loss_scaler.scale if prec.loss_scaler else 1.0,
         "peak_memory_bytes": peak_memory_bytes(),
@@ -248,6 +253,11 @@ def train_metrics(
         "nonfinite_steps": state.nonfinite_steps,
         "overflow_steps": state.overflow_steps,
     }
+
+
+def contrastive_batch_size(mode: str, micro: int, accum: int, world: int) -> int:
+    """Pairs one loss contrasts in contrastive-batch ``mode``."""
+    return micro * world * (accum if mode == "global" else 1)
 
 
 def _forever(loader: Any) -> Iterator[dict[str, Any]]:

@@ -42,8 +42,9 @@ Batches from DataLoader workers are merged in a fixed round-robin order (worker 
 skipping workers that have finished), so the sequence of batches does not depend on timing. The
 position (epoch, batches consumed, each worker's read position) is what
 :meth:`ClipLoader.state_dict` saves; :meth:`ClipLoader.load_state_dict` restores it and the next
-batch is exactly the one an uninterrupted run would have produced next, augmentation included
-(random crops are seeded per batch).
+batch is exactly the one an uninterrupted run would have produced next, augmentation included.
+Augmentation is seeded per sample, from the seed, the epoch, the sample's key and which repeat of it
+this is: a sample looks the same at any batch size, accumulation, world size or worker count.
 
 Bad samples -- a missing, unreadable or corrupt image, an empty (``None``/blank) or non-string
 caption, an unparsable label, a tar shard that cannot be read to its end -- are skipped and

@@ -9,6 +9,7 @@ loaders its ``train_data``/``split``/``workers``, evaluation loaders its
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import random
 import weakref
@@ -87,17 +88,37 @@ def read_captions(cfg: DataConfig, limit: int | None = None) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _seeded(*entropy: int) -> Iterator[None]:
-    """Seed Python's and torch's CPU RNGs for one batch, restoring them afterwards."""
+def _rng_scope() -> Iterator[None]:
+    """Keep Python's and torch's CPU RNG states as they were, whatever the block does with them."""
     state = random.getstate()
-    seed = int(np.random.SeedSequence([int(e) for e in entropy]).generate_state(1)[0])
     with torch.random.fork_rng(devices=[]):
-        random.seed(seed)
-        torch.manual_seed(seed)
         try:
             yield
         finally:
             random.setstate(state)
+
+
+def _key_words(key: str) -> tuple[int, int]:
+    """A sample key as two uint32 words of a stable hash (Python's ``hash`` of a str varies per process)."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
+
+
+def _sample_seed(seed: int, epoch: int, key: str, pass_index: int, lap: int) -> int:
+    """The augmentation seed of one visit of sample ``key``: the first visit of an epoch is pass 0, lap 0.
+
+    Nothing about batches, ranks or workers goes in, so a sample looks the same at any batch size,
+    world size or worker count. ``seed`` is the entropy and the rest the spawn key, so a large
+    seed cannot run into the other words.
+    """
+    spawn_key = (int(epoch), *_key_words(key), int(pass_index), int(lap))
+    return int(np.random.SeedSequence(int(seed), spawn_key=spawn_key).generate_state(1)[0])
+
+
+def _seed_cpu_rngs(seed: int) -> None:
+    """Seed Python's ``random`` and torch's CPU generator (the ones the timm transforms draw from)."""
+    random.seed(seed)
+    torch.random.default_generator.manual_seed(seed)
 
 
 class _BatchProducer(IterableDataset):
@@ -134,13 +155,22 @@ class _BatchProducer(IterableDataset):
             yield from self._blocks(w, k, i)
         elif isinstance(self.plan, MapPlan):
             cursor, count = self.plan.cursor(self.epoch, w, k, pos)
-            yield from self._fill(w, k, i, cursor, max_batches=count, stop_at_lap_end=False)
+            yield from self._fill(w, i, cursor, max_batches=count, stop_at_lap_end=False)
         elif self.layout.train:
-            yield from self._fill(w, k, i, self.plan.cursor(self.epoch, pos), max_batches=None, stop_at_lap_end=True)
+            yield from self._fill(w, i, self.plan.cursor(self.epoch, pos), max_batches=None, stop_at_lap_end=True)
         else:
             yield from self._stream_eval(w, i, self.plan.cursor(self.epoch, pos))
 
-    def _decode(self, raw: RawSample, repeated: bool, stats: Counter) -> Sample | None:
+    def _decode(self, raw: RawSample, repeated: bool, stats: Counter,
+                visit: tuple[int, int] | None = None) -> Sample | None:
+        """Decode ``raw``, counting (and logging the first few) skips.
+
+        ``visit`` is ``(pass_index, lap)`` of a training sample: its augmentation is then seeded by
+        :func:`_sample_seed` right before the decoder runs the transform (callers keep the RNG states
+        with :func:`_rng_scope`). Evaluation transforms draw nothing and pass None.
+        """
+        if visit is not None:
+            _seed_cpu_rngs(_sample_seed(self.layout.seed, self.epoch, raw.key, *visit))
         sample, reason, detail = self.decoder(raw)
         if reason is None:
             if repeated:
@@ -159,7 +189,7 @@ class _BatchProducer(IterableDataset):
         batch = collate(samples, self.tokenize, self.decoder.with_labels) if samples else None
         return {"w": w, "i": i, "pos": pos, "batch": batch, "stats": dict(stats), "end": end}
 
-    def _fill(self, w: int, k: int, i: int, cursor: Cursor, max_batches: int | None, stop_at_lap_end: bool) -> Iterator:
+    def _fill(self, w: int, i: int, cursor: Cursor, max_batches: int | None, stop_at_lap_end: bool) -> Iterator:
         stats: Counter = Counter()
         last_good = cursor.pos
         lay = self.layout
@@ -167,16 +197,16 @@ class _BatchProducer(IterableDataset):
             if stop_at_lap_end and cursor.lap0_done():
                 break
             samples: list[Sample] = []
-            # Map-style worker w's i-th batch is block w + i*k whatever the worker count, so its
-            # augmentation seed is that block's index; a stream batch is known by (worker, item).
-            batch_id = (w + i * k, 0) if max_batches is not None else (w, i)
-            with _seeded(lay.seed, self.epoch, self.pass_index, lay.rank, *batch_id):
+            # Augmentation is seeded per sample, from (seed, epoch, key, pass, lap) only: a sample
+            # looks the same whatever batch, rank or worker it lands in, and a repeat of it (a later
+            # lap or pass) gets a fresh draw. One RNG save/restore covers the whole batch.
+            with _rng_scope():
                 while len(samples) < lay.batch_size:
                     got = cursor.next(wrap=True)
                     if got is None:
                         break
                     raw, lap = got
-                    sample = self._decode(raw, lap > 0 or self.pass_index > 0, stats)
+                    sample = self._decode(raw, lap > 0 or self.pass_index > 0, stats, (self.pass_index, lap))
                     if sample is not None:
                         samples.append(sample)
                         last_good = cursor.pos
@@ -245,7 +275,7 @@ class ClipLoader:
         rank: This process's rank.
         world_size: Number of ranks.
         batch_size: Samples per batch.
-        seed: Seed of shuffling and augmentation.
+        seed: Seed of shuffling and augmentation (augmentation is seeded per sample, see :func:`_sample_seed`).
         num_workers: DataLoader worker processes used (after capping).
         stats: Counts per skip reason (and ``repeated``) over all consumed batches, all epochs.
         epoch_stats: The same for the current epoch.
@@ -528,7 +558,9 @@ def build_train_loader(cfg: DataConfig, tokenize: Tokenize | None, image_data_co
         batch_size: Per-rank batch size.
         rank: This process's rank.
         world_size: Number of ranks.
-        seed: Seed of the shuffling and augmentation (same on all ranks).
+        seed: Seed of the shuffling and augmentation (same on all ranks). A sample's augmentation
+            depends only on ``seed``, the epoch, its key and which repeat of it this is in the epoch,
+            never on batch size, rank, world size or worker count.
 
     Raises:
         FileNotFoundError: Missing data path.

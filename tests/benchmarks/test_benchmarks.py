@@ -86,11 +86,18 @@ def test_inputs_are_the_same_for_both_models_and_prefix_stable() -> None:
 def test_bench_train_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu", "--batch", "8", "--max-batch", "16",
-           "--steps", "2", "--warmup", "1", "--ckpt", "on", "--cpu-budget-mib", "100000", "--json", str(out)]
+           "--steps", "2", "--warmup", "1", "--ckpt", "on", "--cpu-budget-mib", "100000", "--json", str(out),
+           "--accumulation", "1", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    rows = {r["arm"]: r for r in result["rows"]}
+    accumulated = [r for r in result["rows"] if r["accumulation"] == 2]
+    rows = {r["arm"]: r for r in result["rows"] if r["accumulation"] == 1}
+    # the same 8 pairs in 2 micro-batches of 4 under the global contrastive batch: the first step's loss
+    # is the loss of the same batch (bf16 towers: to bf16 rounding of the embeddings)
+    assert [r["arm"] for r in accumulated] == ["recipe-plain"] and "largest_batch" not in accumulated[0]
+    assert accumulated[0]["first_loss"] == pytest.approx(rows["recipe-plain"]["first_loss"], rel=1e-2)
+    assert accumulated[0]["checksum"] == rows["recipe-plain"]["checksum"] and accumulated[0]["batch"] == 8
     try:
         import open_clip
     except ImportError:
@@ -117,7 +124,8 @@ def test_bench_train_cpu_smoke(tmp_path: Path) -> None:
     ratio = rows["recipe-plain"]["samples_per_s"] / rows[baseline]["samples_per_s"]
     assert rows["recipe-plain"]["speedup_vs_baseline"] == pytest.approx(ratio)
     table = result["markdown"]
-    assert table in proc.stdout and "| recipe-plain | on |" in table and f"| {baseline} | on |" in table
+    assert table in proc.stdout and "| recipe-plain | 1 | on |" in table and f"| {baseline} | 1 | on |" in table
+    assert "| recipe-plain | 2 | on |" in table
     assert result["environment"]["versions"]["torch"] == torch.__version__
 
 

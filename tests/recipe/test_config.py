@@ -28,8 +28,9 @@ def test_flags_fill_the_typed_config() -> None:
         "--deepspeed_config", DS, "--image-encoder", "resnet50", "--text-encoder", "bert-tiny", "--preset", "tiny",
         "--train-data", "a.csv", "--data-format", "csv", "--steps", "7", "--lr", "3e-4", "--schedule", "constant",
         "--grad-checkpointing", "--loss-mode", "chunked", "--output-dir", "out", "--resume", "latest",
-        "--eval-every", "5", "--seed", "3", "--no-image-master-weights",
+        "--eval-every", "5", "--seed", "3", "--no-image-master-weights", "--contrastive-batch", "micro",
     ])
+    assert cfg.contrastive_batch == "micro" and parse_args(["--deepspeed_config", DS]).contrastive_batch == "global"
     assert cfg.model.image_encoder == "resnet50" and cfg.model.text_encoder == "bert-tiny"
     assert cfg.model.grad_checkpointing is True and cfg.model.image_master_weights is False
     assert cfg.data.train_data == "a.csv" and cfg.data.data_format == "csv"
@@ -46,7 +47,8 @@ def test_deepspeed_json_owns_batch_precision_and_zero() -> None:
         return [k for k, v in d.items() for k in ([k] + (keys(v) if isinstance(v, dict) else []))]
 
     names = keys(TrainConfig().to_dict())
-    words = {w for n in names if n != "eval_batch_size" for w in n.split("_")}
+    # eval_batch_size is evaluation's; contrastive_batch picks which pairs a loss sees, not a size
+    words = {w for n in names if n not in ("eval_batch_size", "contrastive_batch") for w in n.split("_")}
     for owned in ("batch", "accumulation", "zero", "stage", "clipping", "bf16", "fp16", "precision", "dtype"):
         assert owned not in words, owned
 
@@ -108,6 +110,7 @@ def test_config_file_round_trip_and_flag_override(tmp_path: Path) -> None:
         (["--steps", "0"], "steps"),
         (["--steps", "5", "--epochs", "1"], "steps or epochs"),
         (["--loss-mode", "dense"], "loss_mode"),
+        (["--contrastive-batch", "full"], "contrastive_batch must be one of global, micro, got 'full'"),
         (["--schedule", "step"], "schedule"),
         (["--lr", "-1"], "lr"),
         (["--workers", "-1"], "workers"),

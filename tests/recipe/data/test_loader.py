@@ -197,6 +197,59 @@ def test_resume_with_changed_settings_is_an_error(syn, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
+# augmentation: seeded per sample, whatever the batch size, world size or worker count
+# --------------------------------------------------------------------------------------------
+
+
+def augmented_epoch(path, tmp_path, *, batch_size=4, rank=0, world_size=1, workers=0, seed=5, epoch=0):
+    """``{key: pixel bytes}`` of one training epoch with visible augmentation (crops and flips)."""
+    cfg = cfg_for(path, tmp_path, workers=workers, hflip=0.5, train_scale=(0.3, 1.0), shuffle_buffer=6)
+    loader = build_train_loader(cfg, tokenize, IMAGE_CFG, batch_size, rank, world_size, seed)
+    loader.set_epoch(epoch)
+    out = {}
+    for b in collect(loader):
+        for key, px in zip(b["keys"], b["pixel_values"]):
+            assert key not in out  # one visit per sample: no repeats in these layouts
+            out[key] = px.numpy().tobytes()
+    assert loader.stats.get(REPEATED, 0) == 0
+    return out
+
+
+@pytest.mark.parametrize("kind", ["map", "stream"])
+def test_augmentation_depends_on_the_sample_not_on_its_batch(syn, tmp_path, kind):
+    path = os.path.join(syn, "train.csv") if kind == "map" else os.path.join(syn, "wds", "train")
+    ref = augmented_epoch(path, tmp_path)
+    assert len(ref) == N_TRAIN
+    if kind == "stream":
+        assert all(k.endswith(".tar/" + k.split("/")[-1]) for k in ref)  # keys are shard/key
+    assert augmented_epoch(path, tmp_path, batch_size=8) == ref
+    halves = [augmented_epoch(path, tmp_path, rank=r, world_size=2) for r in (0, 1)]
+    assert not set(halves[0]) & set(halves[1]) and {**halves[0], **halves[1]} == ref
+    assert augmented_epoch(path, tmp_path, workers=2) == ref
+    # the augmentation is random: another epoch or seed changes most samples (same keys)
+    for other in (augmented_epoch(path, tmp_path, epoch=1), augmented_epoch(path, tmp_path, seed=6)):
+        assert set(other) == set(ref)
+        assert sum(other[k] != ref[k] for k in ref) > N_TRAIN * 3 // 4
+
+
+def test_a_repeated_sample_gets_a_new_draw(bad_jsonl, tmp_path):
+    """12 good rows of 20 fill 5 batches of 4: 8 samples come twice (a second lap), augmented anew."""
+    cfg = cfg_for(bad_jsonl[0], tmp_path, hflip=0.5, train_scale=(0.3, 1.0))
+
+    def visits(batch_size):
+        out: dict[str, list[bytes]] = {}
+        for b in collect(build_train_loader(cfg, tokenize, IMAGE_CFG, batch_size, seed=3)):
+            for key, px in zip(b["keys"], b["pixel_values"]):
+                out.setdefault(key, []).append(px.numpy().tobytes())
+        return out
+
+    by4, by2 = visits(4), visits(2)
+    assert len(by4) == 12 and sorted(len(v) for v in by4.values()) == [1] * 4 + [2] * 8
+    assert {k: v[0] for k, v in by4.items()} == {k: v[0] for k, v in by2.items()}  # first visits
+    assert all(v[1] != v[0] for v in by4.values() if len(v) == 2)
+
+
+# --------------------------------------------------------------------------------------------
 # multi-process: counts summed over ranks with torch.distributed (gloo)
 # --------------------------------------------------------------------------------------------
 
