@@ -655,7 +655,8 @@ def _row_line(r: dict[str, Any]) -> str:
     fit = f", largest batch {r.get('largest_batch')}" if "largest_batch" in r else ""
     acc = f" accumulation {r['accumulation']}" if r.get("accumulation", 1) > 1 else ""
     return (
-        f"  {r['arm']}{acc} ckpt={r['ckpt']}: {r['samples_per_s']:.1f} samples/s, peak {r['peak_bytes'] / MIB:.1f} MiB{fit}"
+        f"  {r['arm']}{acc} ckpt={r['ckpt']}: {r['samples_per_s']:.1f} samples/s, "
+        f"peak {r['peak_bytes'] / MIB:.1f} MiB{fit}"
     )
 
 

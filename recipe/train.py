@@ -110,7 +110,8 @@ def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
         log.advance()
         samples_per_s = (state.samples - start_samples) / max(time.perf_counter() - t0, 1e-9)
         if state.step % cfg.log_every == 0 or state.step == total:
-            log.log(state.step, train_metrics(engine, opt, result, state, prec, loader, samples_per_s))
+            metrics = train_metrics(engine, opt, result, state, prec, loader, samples_per_s)
+            log.log(state.step, {**metrics, "contrastive_batch": cfg.contrastive_batch})
         if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < total and not result.stop:
             log.log(state.step, run_eval(engine, cfg, tokenizer), kind="eval")
         if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == total or result.stop:
@@ -245,7 +246,7 @@ def train_metrics(
         "lr": opt.param_groups[0]["lr"],
         "logit_scale": float(engine.module.logit_scale.detach().float().exp()),
         "samples_per_s": samples_per_s,
-        "contrastive_batch": result.contrastive_batch,
+        "contrastive_batch_size": result.contrastive_batch,
         "grad_norm": float(gn) if gn is not None else float("nan"),
         "loss_scale": prec.loss_scaler.scale if prec.loss_scaler else 1.0,
         "peak_memory_bytes": peak_memory_bytes(),

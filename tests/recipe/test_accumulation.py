@@ -1,7 +1,7 @@
 """Gradient accumulation under DeepSpeed (CPU ranks, gloo): the contrastive batch of ``global`` is the
 whole optimizer step. With micro-batch m and accumulation k, ``--contrastive-batch global`` trains as
 micro-batch m·k without accumulation (per-step loss, gradient norm and weights, to fp32 summation
-order) at world size 1 and 2, under ZeRO-2 and ZeRO-3, with gradient checkpointing, and on the fp16
+order) at world size 1 and 2, under ZeRO-1, 2 and 3, with gradient checkpointing, and on the fp16
 route to fp16 tolerance; ``micro`` does not. The optimizer steps once per k micro-batches from the
 first step, and resuming in the middle of such a run continues bit-identically."""
 
@@ -71,6 +71,7 @@ def _assert_same_training(a: Path, b: Path, loss_rtol: float, weight_atol: float
 CASES = {
     # name: (DeepSpeed JSON, ZeRO stage override, extra config, loss rtol, weight atol)
     "zero2-fp32": ("zero2_fp32.json", None, {}, 1e-5, 1e-5),
+    "zero1-fp32": ("zero2_fp32.json", 1, {}, 1e-5, 1e-5),
     "zero3-fp32": ("zero2_fp32.json", 3, {}, 1e-5, 1e-5),
     "zero2-fp32-checkpointing": ("zero2_fp32.json", None, {"model": {"preset": "tiny", "grad_checkpointing": True}},
                                  1e-5, 1e-5),
@@ -89,8 +90,8 @@ def test_global_contrastive_batch_trains_as_one_big_batch(world: int, data: Path
     _assert_same_training(tmp_path / "big", tmp_path / "global", 1e-5, 1e-5)
 
     rb, rg, rm = (_rows(tmp_path / n) for n in ("big", "global", "micro"))
-    assert [rg[s]["contrastive_batch"] for s in rg] == [M * K * world] * STEPS
-    assert [rm[s]["contrastive_batch"] for s in rm] == [M * world] * STEPS
+    for rows, mode, size in ((rg, "global", M * K * world), (rm, "micro", M * world)):
+        assert [(r["contrastive_batch"], r["contrastive_batch_size"]) for r in rows.values()] == [(mode, size)] * STEPS
     assert json.loads((tmp_path / "global" / "config.json").read_text())["contrastive_batch"] == "global"
     # micro contrasts fewer pairs: a different (lower) loss from the first step on
     assert rm[1]["loss"] < rb[1]["loss"] - 0.1, (rm[1]["loss"], rb[1]["loss"])
@@ -104,7 +105,7 @@ def test_global_contrastive_batch_trains_as_one_big_batch(world: int, data: Path
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "zero2-fp32"])
 def test_global_contrastive_batch_equivalence_holds_across_modes(case: str, data: Path, tmp_path: Path) -> None:
-    """ZeRO-3, gradient checkpointing, and the fp16 route (to fp16 tolerance), at world size 2."""
+    """ZeRO-1 and 3, gradient checkpointing, and the fp16 route (to fp16 tolerance), at world size 2."""
     name, stage, extra, loss_rtol, weight_atol = CASES[case]
     big = _cfg(data, tmp_path / "big", _ds(tmp_path, name, M * K, 1, stage), "global", **extra)
     glob = _cfg(data, tmp_path / "global", _ds(tmp_path, name, M, K, stage), "global", **extra)

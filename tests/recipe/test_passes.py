@@ -72,8 +72,8 @@ def _bn_stats(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: b.clone() for n, b in model.named_buffers() if "running" in n or "num_batches" in n}
 
 
-@pytest.mark.parametrize("k,m", [(4, 3), (2, 5)])
-def test_global_passes_equal_one_graph_over_all_micro_batches(k: int, m: int) -> None:
+@pytest.mark.parametrize("k,m,mode", [(4, 3, "plain"), (2, 5, "plain"), (3, 4, "chunked")])
+def test_global_passes_equal_one_graph_over_all_micro_batches(k: int, m: int, mode: str) -> None:
     model, batches = _model(), _batches(k, m)
     ref_model = copy.deepcopy(model)
     ref_loss, ref_grads = _reference(ref_model, batches, rng_seed=7)
@@ -81,7 +81,8 @@ def test_global_passes_equal_one_graph_over_all_micro_batches(k: int, m: int) ->
 
     engine = OneProcessEngine(model, k)
     torch.manual_seed(7)
-    passes = global_passes(engine, ClipLoss(), FP32, batches, world=1)
+    # chunked with 5-row tiles: the cache's 12 rows span several tiles of the online log-sum-exp
+    passes = global_passes(engine, ClipLoss(mode=mode, chunk_size=5), FP32, batches, world=1)
     assert torch.equal(torch.get_rng_state(), ref_rng)  # the RNG continues as after one forward each
     assert (engine.backwards, engine.steps) == (k, k - 1)  # the last step (the optimizer's) is the caller's
     assert passes.samples == passes.contrastive_batch == k * m and len(passes.losses) == 1
