@@ -102,6 +102,11 @@ class ModelConfig:
     )
     embed_dim: int | None = option(None, "shared embedding width (default: the preset's)", ge=1)
     image_weights: str | None = option(None, "local state-dict file for the image tower")
+    init_from: str | None = option(
+        None,
+        "start from a pretrained model: an open_clip directory (open_clip_config.json), a Hugging Face CLIPModel "
+        "directory or a recipe run directory; architecture and tokenizer are read from it",
+    )
     grad_checkpointing: bool = option(False, "activation checkpointing in both towers")
     text_master_weights: bool = option(
         False, "keep an fp32 master for the text tower (default: SR half weights, as the CLIP paper)"
@@ -157,7 +162,15 @@ class DataConfig:
     cache_dir: str | None = option(None, "datasets cache directory for converted CSV/JSON/parquet files")
     log_bad_samples: int = option(10, "bad samples each worker logs individually per epoch (all are counted)", ge=0)
     zeroshot: str | None = option(
-        None, "zeroshot.json with class names and templates (default: found next to the validation data)"
+        None,
+        "zero-shot classes: 'imagenet' (built-in ImageNet-1k names and the CLIP paper's 80 templates; "
+        "the data is a folder DIR/<wnid>/*.JPEG) or a zeroshot.json with class names and templates "
+        "(default: a zeroshot.json found next to the zero-shot data)",
+    )
+    zeroshot_data: str | None = option(
+        None,
+        "labelled images for zero-shot classification, e.g. an ImageNet folder DIR/<wnid>/*.JPEG, when they are "
+        "not the validation data (which then gives retrieval only; default: zero-shot on the validation data)",
     )
     tokenizer: str | None = option(
         None, "local tokenizer directory (default: train a byte-level BPE on the training captions)"
@@ -239,15 +252,33 @@ class TrainConfig:
             if value is not None and value[0] > value[1]:
                 raise ValueError(f"{name} must be a range (low <= high), got {value[0]} {value[1]}")
         self._validate_model_names()
+        if self.model.init_from is not None:
+            if not Path(self.model.init_from).is_dir():
+                raise FileNotFoundError(f"--init-from directory not found: {self.model.init_from}")
+            if self.data.tokenizer is not None:
+                raise ValueError("--tokenizer contradicts --init-from: the tokenizer is read from the init directory")
+            if self.model.image_weights is not None:
+                raise ValueError("--image-weights contradicts --init-from: the weights come from the init directory")
+        self._validate_zeroshot()
         if not Path(self.deepspeed_config).is_file():
             raise FileNotFoundError(f"DeepSpeed config not found: {self.deepspeed_config}")
         from .precision import read_ds_config  # imports torch: only once the cheap checks passed
 
         read_ds_config(self.deepspeed_config, world_size=_launcher_world_size())
 
+    def _validate_zeroshot(self) -> None:
+        d = self.data
+        if d.zeroshot is not None and d.zeroshot != "imagenet" and not Path(d.zeroshot).is_file():
+            raise ValueError(f"zeroshot must be 'imagenet' or an existing zeroshot.json file, got {d.zeroshot!r}")
+        if d.zeroshot is not None and not (d.val_data or d.zeroshot_data):
+            raise ValueError(f"zeroshot {d.zeroshot!r} needs images to classify: set zeroshot_data or val_data")
+        for part in (d.zeroshot_data or "").split("::"):
+            if part and not any(ch in part for ch in "*?[{") and not Path(part).expanduser().exists():
+                raise ValueError(f"zeroshot_data {part!r} does not exist")
+
     def _validate_model_names(self) -> None:
         m = self.model
-        if m.preset is None and not (m.image_encoder and m.text_encoder):
+        if m.preset is None and not (m.image_encoder and m.text_encoder) and not m.init_from:
             raise ValueError("without a preset both image_encoder and text_encoder are required")
         if m.preset is not None and m.preset not in preset_names():
             raise ValueError(f"preset must be one of {', '.join(preset_names())}, got {m.preset!r}")
@@ -413,5 +444,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         section, _, name = dest.rpartition(".")
         (data[section] if section else data)[name] = tuple(value) if isinstance(value, list) else value
     cfg = config_from_dict(data)
+    if cfg.model.init_from and getattr(args, "model.preset", None):
+        raise ValueError(
+            f"--preset {cfg.model.preset} contradicts --init-from: the architecture is read from {cfg.model.init_from}"
+        )
     cfg.validate()
     return cfg

@@ -1,10 +1,29 @@
-"""Zero-shot classification and image<->text retrieval on a held-out split.
+"""Zero-shot classification and image<->text retrieval on held-out data.
 
-In training every rank embeds its share of the split and the features are gathered, so it works
+In training every rank embeds its share of the data and the features are gathered, so it works
 under every ZeRO stage; standalone::
 
     python -m recipe.evaluate --checkpoint runs/demo            # latest checkpoint of a run
     python -m recipe.evaluate --checkpoint runs/demo/checkpoints/step00000300 --val-data DIR/val.csv
+    python -m recipe.evaluate --checkpoint runs/demo --zeroshot imagenet --val-data /data/imagenet/val
+    python -m recipe.evaluate --checkpoint runs/demo --zeroshot classes.json --val-data DIR
+
+What is evaluated:
+
+* Retrieval (recall@1/5/10 both ways) where the data has captions.
+* Zero-shot classification (``<name>_top1``, ``<name>_top5``, ``<name>_chance``) where the images
+  have labels and there are class names: ``--zeroshot imagenet`` (built in, metric names
+  ``imagenet_*``), ``--zeroshot FILE`` or a ``zeroshot.json`` found next to the data (``zeroshot_*``;
+  file format in :mod:`recipe.zeroshot`). The labels are a table's label column, or the class
+  folders of an imagefolder without metadata (``DIR/<class>/*.jpg``; ImageNet: ``DIR/<wnid>/*.JPEG``,
+  any subset of the 1000 folders, every image still classified among all 1000 classes). No
+  captions are needed.
+* ``--zeroshot-data DIR`` (and the training flag of that name) classifies a second set of images,
+  the validation data then giving retrieval only.
+
+Unreadable or corrupt images are skipped and counted (``eval_skipped``, ``<name>_skipped`` for the
+zero-shot data). Standalone evaluation prints one JSON line of metrics and writes them, with what was
+evaluated, to ``RUN_DIR/eval_<name>_step<N>.json`` (``imagenet``, the prompt file's name, or ``val``).
 """
 
 from __future__ import annotations
@@ -13,18 +32,29 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .config import DataConfig
-from .data import build_eval_loader
-from .zeroshot import ZeroShotPrompts, find_zeroshot_file, load_zeroshot_prompts
+from .data import SKIP_REASONS, build_eval_loader
+from .zeroshot import IMAGENET, ZeroShotPrompts, find_zeroshot_file, get_zeroshot_prompts
 
-__all__ = ["zero_shot_classifier", "zero_shot_accuracy", "retrieval_recall", "embed_split", "evaluate", "main"]
+__all__ = [
+    "zero_shot_classifier",
+    "zero_shot_accuracy",
+    "retrieval_recall",
+    "embed_split",
+    "evaluate",
+    "evaluate_data",
+    "load_prompts",
+    "main",
+]
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -35,28 +65,76 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def _distributed() -> tuple[int, int]:
+    """``(rank, world size)`` of an initialised process group, else ``(0, 1)``."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _progress(items: Iterable | None, enabled: bool, **kw: Any) -> Any:
+    """``items`` with a progress bar on stderr (a bare bar for ``items=None``) when ``enabled``."""
+    if not enabled:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, file=sys.stderr, dynamic_ncols=True, **kw)
+
+
 @torch.no_grad()
-def zero_shot_classifier(model: Any, prompts: ZeroShotPrompts, tokenize: Any) -> torch.Tensor:
+def zero_shot_classifier(
+    model: Any, prompts: ZeroShotPrompts, tokenize: Any, max_prompts: int = 2048, progress: bool = False
+) -> torch.Tensor:
     """``[num_classes, D]`` class embeddings: the normalised mean of each class's normalised
-    template embeddings (as in the CLIP paper's prompt ensembling)."""
+    template embeddings (as in the CLIP paper's prompt ensembling).
+
+    Classes are embedded a few at a time (up to ``max_prompts`` prompts a forward); under an
+    initialised process group each rank embeds a contiguous block of the classes and the blocks are
+    gathered (ImageNet: 80,000 prompts).
+    """
     device = _model_device(model)
+    per_class = prompts.prompts()
+    n, t = len(per_class), len(prompts.templates)
+    rank, world = _distributed()
+    lo, hi = n * rank // world, n * (rank + 1) // world
+    step = max(1, max_prompts // t)
     rows = []
-    for class_prompts in prompts.prompts():
-        tok = tokenize(class_prompts)
+    bar = _progress(None, progress, desc="zero-shot classifier", unit="class", total=hi - lo)
+    for start in range(lo, hi, step):
+        chunk = per_class[start : min(hi, start + step)]
+        tok = tokenize([p for class_prompts in chunk for p in class_prompts])
         emb = model.encode_text(tok["input_ids"].to(device), tok["attention_mask"].to(device)).float()
-        rows.append(F.normalize(emb.mean(0), dim=-1))
-    return torch.stack(rows)
+        rows.append(F.normalize(emb.view(len(chunk), t, -1).mean(1), dim=-1).cpu())
+        if bar is not None:
+            bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
+    local = torch.cat(rows) if rows else torch.empty(0)
+    if world > 1:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, local)
+        local = torch.cat([g for g in gathered if g.numel()])
+    return local.to(device)
 
 
 def zero_shot_accuracy(
-    image_features: torch.Tensor, labels: torch.Tensor, classifier: torch.Tensor
+    image_features: torch.Tensor, labels: torch.Tensor, classifier: torch.Tensor, prefix: str = "zeroshot"
 ) -> dict[str, float]:
-    """Top-1 and top-5 accuracy of ``argmax(image_features @ classifier.T)``."""
-    logits = image_features.float() @ classifier.float().T
-    k = min(5, classifier.shape[0])
-    top = logits.topk(k, dim=1).indices
-    hit = top == labels.view(-1, 1)
-    return {"zeroshot_top1": hit[:, 0].float().mean().item(), "zeroshot_top5": hit.any(1).float().mean().item()}
+    """Top-1 and top-5 accuracy of ``argmax(image_features @ classifier.T)`` (``<prefix>_top1``, ``_top5``).
+
+    Raises:
+        ValueError: A label outside ``[0, num_classes)``.
+    """
+    num_classes = classifier.shape[0]
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise ValueError(
+            f"labels range over {int(labels.min())}..{int(labels.max())}, but the zero-shot class names "
+            f"have {num_classes} classes"
+        )
+    logits = image_features.float() @ classifier.float().T.to(image_features.device)
+    top = logits.topk(min(5, num_classes), dim=1).indices
+    hit = top == labels.view(-1, 1).to(top.device)
+    return {f"{prefix}_top1": hit[:, 0].float().mean().item(), f"{prefix}_top5": hit.any(1).float().mean().item()}
 
 
 def retrieval_recall(
@@ -78,58 +156,162 @@ def retrieval_recall(
 
 
 @torch.no_grad()
-def embed_split(model: Any, loader: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Image features, text features and labels of this rank's share, gathered over all ranks."""
+def embed_split(
+    model: Any, loader: Any, progress: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Image features, text features (None without captions) and labels (None without) of this
+    rank's share, gathered over all ranks."""
     device, dtype = _model_device(model), _model_dtype(model)
     imgs, txts, labels = [], [], []
-    for batch in loader:
+    total = len(loader) if hasattr(loader, "__len__") else None
+    for batch in _progress(loader, progress, desc="images", unit="batch", total=total):
         imgs.append(model.encode_image(batch["pixel_values"].to(device=device, dtype=dtype)).float().cpu())
-        txts.append(model.encode_text(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float().cpu())
+        if batch.get("input_ids") is not None:
+            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            txts.append(model.encode_text(ids, mask).float().cpu())
         if batch.get("labels") is not None:
             labels.append(batch["labels"].cpu())
     local = (
         torch.cat(imgs) if imgs else torch.empty(0),
-        torch.cat(txts) if txts else torch.empty(0),
+        torch.cat(txts) if txts else None,
         torch.cat(labels) if labels else None,
     )
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _distributed()[1] > 1:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
         parts = [g for g in gathered if g[0].numel()]
-        return (
-            torch.cat([g[0] for g in parts]),
-            torch.cat([g[1] for g in parts]),
-            torch.cat([g[2] for g in parts]) if parts and parts[0][2] is not None else None,
-        )
+        if not parts:
+            return local
+
+        def cat(i: int) -> torch.Tensor | None:
+            return torch.cat([g[i] for g in parts]) if all(g[i] is not None for g in parts) else None
+
+        return cat(0), cat(1), cat(2)  # type: ignore[return-value]
     return local
 
 
-def evaluate(model: Any, loader: Any, tokenize: Any, prompts: ZeroShotPrompts | None) -> dict[str, float]:
-    """Zero-shot accuracy (when labels and prompts exist) and retrieval recall on ``loader``."""
+def _skipped(loader: Any) -> int | None:
+    """Bad samples the loader skipped, over all ranks (a collective); None for a plain iterable."""
+    if not hasattr(loader, "global_stats"):
+        return None
+    return sum(v for k, v in loader.global_stats().items() if k in SKIP_REASONS)
+
+
+def evaluate(
+    model: Any, loader: Any, tokenize: Any, prompts: ZeroShotPrompts | None, progress: bool = False
+) -> dict[str, float]:
+    """Retrieval recall (where the batches carry captions) and zero-shot accuracy (where they carry
+    labels and ``prompts`` is given; metric names start with ``prompts.name``) on ``loader``."""
     was_training = model.training
     model.eval()
     try:
-        img, txt, labels = embed_split(model, loader)
+        img, txt, labels = embed_split(model, loader, progress)
         metrics: dict[str, float] = {"eval_samples": float(img.shape[0])}
-        metrics.update(retrieval_recall(img, txt))
+        skipped = _skipped(loader)
+        if skipped is not None:
+            metrics["eval_skipped"] = float(skipped)
+        if txt is not None and img.shape[0]:
+            metrics.update(retrieval_recall(img, txt))
         if prompts is not None and labels is not None:
-            classifier = zero_shot_classifier(model, prompts, tokenize)
-            metrics.update(zero_shot_accuracy(img, labels, classifier))
-            metrics["zeroshot_chance"] = 1.0 / len(prompts.classnames)
+            classifier = zero_shot_classifier(model, prompts, tokenize, progress=progress)
+            metrics.update(zero_shot_accuracy(img, labels, classifier, prompts.name))
+            metrics[f"{prompts.name}_chance"] = 1.0 / len(prompts.classnames)
     finally:
         model.train(was_training)
     return metrics
 
 
-def load_prompts(data: DataConfig) -> ZeroShotPrompts | None:
-    """The zero-shot prompts of the validation data: ``data.zeroshot`` or a ``zeroshot.json`` found
-    next to it; None when there is none (retrieval only)."""
-    path = data.zeroshot or find_zeroshot_file(data.val_data)
-    return load_zeroshot_prompts(path) if path else None
+def load_prompts(data: DataConfig, images: str | None = None) -> ZeroShotPrompts | None:
+    """The zero-shot prompts for the images ``images`` (default: ``data.val_data``): ``data.zeroshot``
+    (``imagenet`` or a file) or a ``zeroshot.json`` found next to the images; None when there is none."""
+    spec = data.zeroshot or find_zeroshot_file(images or data.val_data)
+    return get_zeroshot_prompts(spec) if spec else None
+
+
+def _eval_loader(data: DataConfig, tokenize: Any, image_cfg: Any, batch_size: int, rank: int, world: int,
+                 prompts: ZeroShotPrompts | None) -> Any:
+    """The evaluation loader of ``data.val_data``; class folders numbered by ``prompts``."""
+    loader = build_eval_loader(data, tokenize, image_cfg, batch_size, rank, world,
+                               classes=prompts.class_index() if prompts is not None else None)
+    folders = loader.class_names  # class folders numbered in sorted order
+    if prompts is not None and folders is not None and len(folders) != len(prompts.classnames):
+        raise ValueError(
+            f"{data.val_data} has {len(folders)} class folders ({', '.join(folders[:3])}...) but the zero-shot "
+            f"class names are {len(prompts.classnames)}: a class-name list follows the sorted folders one to one; "
+            'name the classes by folder instead ({"classnames": {"<folder>": "<name>", ...}})'
+        )
+    if prompts is None and not loader.has_captions:
+        raise ValueError(
+            f"{data.val_data} has labels but no captions, and no zero-shot class names were found: "
+            "nothing to evaluate; give --zeroshot imagenet or --zeroshot FILE (or a zeroshot.json next to the data)"
+        )
+    return loader
+
+
+def evaluate_data(
+    model: Any, data: DataConfig, tokenize: Any, batch_size: int, rank: int = 0, world: int = 1,
+    progress: bool = False,
+) -> dict[str, float]:
+    """Every evaluation ``data`` asks for (every rank calls it with its rank).
+
+    Without ``data.zeroshot_data``: :func:`evaluate` on ``val_data`` with :func:`load_prompts`.
+    With it: retrieval on ``val_data`` (when set), and zero-shot classification of
+    ``zeroshot_data``, whose sample and skip counts are ``<name>_samples`` and ``<name>_skipped``.
+
+    Raises:
+        ValueError: Zero-shot data without class names, class names that do not fit its folders, or
+            data that has neither captions nor class names.
+    """
+    image_cfg = model.image_data_config()
+    metrics: dict[str, float] = {}
+    if data.zeroshot_data:
+        if data.val_data:
+            loader = build_eval_loader(data, tokenize, image_cfg, batch_size, rank, world)
+            metrics.update(evaluate(model, loader, tokenize, None, progress))
+        prompts = load_prompts(data, data.zeroshot_data)
+        if prompts is None:
+            raise ValueError(
+                f"no zero-shot class names for zeroshot_data {data.zeroshot_data}: set zeroshot "
+                "('imagenet' or a file), or put a zeroshot.json next to the data"
+            )
+        zs_data = dataclasses.replace(data, val_data=data.zeroshot_data)
+        loader = _eval_loader(zs_data, tokenize, image_cfg, batch_size, rank, world, prompts)
+        found = evaluate(model, loader, tokenize, prompts, progress)
+        metrics.update({(f"{prompts.name}_{k[5:]}" if k.startswith("eval_") else k): v for k, v in found.items()})
+    elif data.val_data:
+        prompts = load_prompts(data)
+        loader = _eval_loader(data, tokenize, image_cfg, batch_size, rank, world, prompts)
+        metrics.update(evaluate(model, loader, tokenize, prompts, progress))
+    return metrics
+
+
+def _output_name(data: DataConfig) -> str:
+    """``imagenet``, the stem of a ``--zeroshot`` file, or ``val``."""
+    if data.zeroshot == IMAGENET:
+        return IMAGENET
+    if data.zeroshot:
+        return Path(data.zeroshot).stem
+    return "val"
+
+
+def _summary(metrics: dict[str, float]) -> str:
+    lines = []
+    for key in metrics:
+        if key.endswith("_top1"):
+            name = key[: -len("_top1")]
+            count = metrics.get(f"{name}_samples", metrics.get("eval_samples", 0))
+            skipped = metrics.get(f"{name}_skipped", metrics.get("eval_skipped", 0))
+            lines.append(f"{name} zero-shot: top-1 {metrics[key]:.4f}, top-5 {metrics[f'{name}_top5']:.4f} "
+                         f"(chance {metrics[f'{name}_chance']:.4f}) on {int(count)} images, {int(skipped)} skipped")
+    if "retrieval_r1" in metrics:
+        lines.append(f"retrieval: R@1 {metrics['retrieval_r1']:.4f} (image->text {metrics['i2t_r1']:.4f}, "
+                     f"text->image {metrics['t2i_r1']:.4f}) on {int(metrics['eval_samples'])} pairs")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Evaluates a saved checkpoint on one process and prints one JSON line of metrics."""
+    """Evaluates a saved checkpoint on one process, prints one JSON line of metrics and writes them
+    to ``<run>/eval_<name>_step<N>.json``."""
     from . import checkpoint
     from .config import config_from_dict
     from .model import CLIPConfig, create_model
@@ -141,16 +323,37 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument(
         "--checkpoint", required=True, help="run directory, its checkpoints/ directory, or one tag directory"
     )
-    ap.add_argument("--val-data", default=None, help="held-out split (default: the run's)")
+    ap.add_argument("--val-data", default=None, help="held-out data (default: the run's)")
+    ap.add_argument(
+        "--zeroshot", default=None,
+        help="zero-shot class names: 'imagenet' (built in; --val-data is a folder DIR/<wnid>/*.JPEG) or a "
+             "zeroshot.json (default: the run's, or a zeroshot.json found next to the data; '' for the latter)",
+    )
+    ap.add_argument(
+        "--zeroshot-data", default=None,
+        help="labelled images for zero-shot classification besides --val-data, which then gives retrieval only "
+             "(default: the run's unless --val-data is given)",
+    )
     ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--workers", type=int, default=None, help="DataLoader worker processes (default: the run's)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     path = Path(args.checkpoint)
     tag_dir = checkpoint.resolve(str(path), path / "checkpoints")
     run_dir = tag_dir.parent.parent
     cfg = config_from_dict(json.loads((run_dir / "config.json").read_text()))
-    data = dataclasses.replace(cfg.data, val_data=args.val_data or cfg.data.val_data)
-    if not data.val_data:
+    changes: dict[str, Any] = {"val_data": args.val_data or cfg.data.val_data}
+    if args.val_data or args.zeroshot_data is not None:  # the images given are the ones to classify
+        changes["zeroshot_data"] = args.zeroshot_data or None
+    if args.zeroshot is not None:
+        changes["zeroshot"] = args.zeroshot or None
+    if args.workers is not None:
+        changes["eval_workers"] = args.workers
+    data = dataclasses.replace(cfg.data, **changes)
+    if not (data.val_data or data.zeroshot_data):
         raise SystemExit("no validation data: pass --val-data")
+    if data.zeroshot and data.zeroshot != IMAGENET and not os.path.isfile(data.zeroshot):
+        raise SystemExit(f"--zeroshot must be 'imagenet' or an existing zeroshot.json file, got {data.zeroshot!r}")
     tokenizer = load_tokenizer(run_dir / "tokenizer")
     model = create_model(
         config=CLIPConfig.from_dict(json.loads((run_dir / "model_config.json").read_text())),
@@ -160,14 +363,34 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     state = torch.load(tag_dir / checkpoint.MODEL_WEIGHTS, map_location="cpu", weights_only=True)
     model.to(state["logit_scale"].dtype)  # evaluate in the precision the run trained in
     model.load_state_dict(state)
-    loader = build_eval_loader(data, tokenizer, model.image_data_config(), args.batch_size)
-    metrics = evaluate(model, loader, tokenizer, load_prompts(data))
+    metrics = evaluate_data(model, data, tokenizer, args.batch_size, progress=not args.no_progress)
     metrics["step"] = json.loads((tag_dir / checkpoint.COMPLETE).read_text())["step"]
-    print(
-        json.dumps({k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v) for k, v in metrics.items()})
-    )
+    shown = {k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v) for k, v in metrics.items()}
+    record = {
+        **metrics, "checkpoint": str(tag_dir), "val_data": data.val_data, "zeroshot_data": data.zeroshot_data,
+        "zeroshot": data.zeroshot,
+    }
+    out = run_dir / f"eval_{_output_name(data)}_step{metrics['step']}.json"
+    checkpoint.atomic_write_bytes(out, json.dumps(record, indent=1).encode())
+    text = _summary(metrics)
+    print((text + "\n" if text else "") + f"written to {out}", file=sys.stderr, flush=True)
+    print(json.dumps(shown), flush=True)
     return metrics
 
 
+def _cli() -> int:
+    """``python -m recipe.evaluate``: a user error (missing data, unknown class folder, ...) is one line."""
+    from .checkpoint import CheckpointError
+
+    try:
+        main()
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
+        if os.environ.get("RECIPE_TRACEBACK") == "1":
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(_cli())

@@ -36,6 +36,7 @@ __all__ = [
     "PRESETS",
     "create_model",
     "keep_batchnorm_fp32",
+    "check_tokenizer_fits",
 ]
 
 INIT_LOGIT_SCALE = math.log(1 / 0.07)

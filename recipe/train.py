@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
 import sys
 import time
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,17 +31,19 @@ import torch
 from . import checkpoint
 from .checkpoint import CheckpointError
 from .config import TrainConfig, parse_args
-from .data import build_eval_loader, build_train_loader, read_captions
+from .data import build_train_loader, read_captions
 from .distributed import barrier, broadcast_from_rank0, mean_over_ranks, rank_world
 from .engine import build_engine, eval_module, init_distributed
-from .evaluate import evaluate, load_prompts
+from .evaluate import evaluate_data
 from .loss import ClipLoss
 from .memory import live_bytes_per_param
 from .metrics import MetricsLogger, peak_memory_bytes
-from .model import create_model
+from .export import Imported, read_pretrained
+from .model import CLIPConfig, check_tokenizer_fits, create_model
 from .optimizer import lr_at
 from .precision import ConfigError, Precision, read_ds_config, resolve_precision
 from .preempt import PREEMPTED_EXIT_CODE, StopRequest
+from .quiet import quiet_libraries
 from .rundir import RunLock, RunLockError, prepare_run_dir
 from .step import StepResult, TrainState, train_step
 from .tokenizer import load_tokenizer, train_tokenizer
@@ -80,8 +80,9 @@ def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
         prepare_run_dir(run_dir, cfg.to_dict(), ds_config)
     barrier()
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
-    tokenizer = get_tokenizer(cfg, run_dir)
-    model = build_model(cfg, tokenizer, run_dir)
+    imported = read_init_from(cfg, run_dir)
+    tokenizer = get_tokenizer(cfg, run_dir, imported)
+    model = build_model(cfg, tokenizer, run_dir, imported)
     engine, opt, group_params = build_engine(model, cfg, prec, ds_config)
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     loader = build_train_loader(cfg.data, tokenizer, model.image_data_config(), micro, rank, world, cfg.seed)
@@ -173,13 +174,32 @@ def take_run_lock(run_dir: Path) -> RunLock:
     return lock
 
 
-def get_tokenizer(cfg: TrainConfig, run_dir: Path) -> Any:
-    """The run's tokenizer: kept from an earlier start, loaded from a local directory, or a BPE
-    trained on the training captions (rank 0), saved in ``<run>/tokenizer``."""
+def read_init_from(cfg: TrainConfig, run_dir: Path) -> Imported | None:
+    """The pretrained model ``--init-from`` names (every rank reads it: each needs the weights), or
+    ``None``: no ``--init-from``, or ``--resume`` (the checkpoint holds the weights and the run's
+    ``model_config.json`` the architecture; decided from the flags alone, so every rank agrees)."""
+    if not cfg.model.init_from or cfg.resume:
+        return None
+    imported = read_pretrained(cfg.model.init_from)
+    m, c = cfg.model, imported.config
+    given = {"image_encoder": (m.image_encoder, c.image.name), "text_encoder": (m.text_encoder, c.text.name),
+             "embed_dim": (m.embed_dim, c.embed_dim), "image_size": (m.image_size, c.image.image_size)}
+    for name, (flag, found) in given.items():
+        if flag is not None and flag != found:
+            raise ValueError(f"--{name.replace('_', '-')} {flag} contradicts --init-from {m.init_from}, "
+                             f"whose model has {name} {found}")
+    return imported
+
+
+def get_tokenizer(cfg: TrainConfig, run_dir: Path, imported: Imported | None = None) -> Any:
+    """The run's tokenizer: kept from an earlier start, the ``--init-from`` model's, loaded from a local
+    directory, or a BPE trained on the training captions (rank 0), saved in ``<run>/tokenizer``."""
     saved = run_dir / "tokenizer"
     d = cfg.data
     if rank_world()[0] == 0 and not saved.exists():
-        if d.tokenizer:
+        if imported is not None:
+            tok = imported.tokenizer
+        elif d.tokenizer:
             tok = load_tokenizer(d.tokenizer, context_length=d.context_length)
         else:
             tok = train_tokenizer(read_captions(d), d.vocab_size, context_length=d.context_length or 32)
@@ -188,11 +208,26 @@ def get_tokenizer(cfg: TrainConfig, run_dir: Path) -> Any:
     return load_tokenizer(saved, context_length=d.context_length)
 
 
-def build_model(cfg: TrainConfig, tokenizer: Any, run_dir: Path) -> torch.nn.Module:
-    """The CLIP model of ``cfg`` (same initialisation on every rank); rank 0 saves its config."""
+def build_model(cfg: TrainConfig, tokenizer: Any, run_dir: Path, imported: Imported | None = None) -> torch.nn.Module:
+    """The CLIP model of ``cfg`` (same initialisation on every rank), or of ``--init-from`` with its
+    weights (a restart rebuilds that architecture from the run's ``model_config.json``); rank 0 saves
+    its config."""
     m = cfg.model
-    model = create_model(m.preset, image_encoder=m.image_encoder, text_encoder=m.text_encoder, embed_dim=m.embed_dim,
-                         image_size=m.image_size, image_weights=m.image_weights, tokenizer=tokenizer)
+    if m.init_from:
+        # the architecture as the init directory (or, resuming, the run's model_config.json) has it: the
+        # tokenizer must fit it but does not resize it (a pretrained vocabulary may exceed the tokenizer's)
+        saved = run_dir / "model_config.json"
+        if imported is None and not saved.is_file():
+            raise FileNotFoundError(f"{saved} is missing: cannot rebuild the --init-from model")
+        config = imported.config if imported else CLIPConfig.from_dict(json.loads(saved.read_text()))
+        model = create_model(config=config, text_load_weights=False)
+        check_tokenizer_fits(model.text, tokenizer)
+        if imported is not None:
+            model.load_state_dict(imported.state_dict)
+    else:
+        model = create_model(m.preset, image_encoder=m.image_encoder, text_encoder=m.text_encoder,
+                             embed_dim=m.embed_dim, image_size=m.image_size, image_weights=m.image_weights,
+                             tokenizer=tokenizer)
     if rank_world()[0] == 0:
         checkpoint.atomic_write_bytes(
             run_dir / "model_config.json", json.dumps(model.config.to_dict(), indent=2).encode()
@@ -226,13 +261,13 @@ def restore(engine: Any, run_dir: Path, resume: str, loader: Any, prec: Precisio
 
 
 def run_eval(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, float]:
-    """Zero-shot and retrieval metrics on the validation data (every rank embeds its share)."""
-    if not cfg.data.val_data:
+    """Retrieval and zero-shot metrics on the validation data, and zero-shot classification of
+    ``--zeroshot-data`` (e.g. ``--zeroshot imagenet``: ``imagenet_top1``...); every rank embeds its share."""
+    if not (cfg.data.val_data or cfg.data.zeroshot_data):
         return {}
     rank, world = rank_world()
     model = eval_module(engine, tokenizer)
-    loader = build_eval_loader(cfg.data, tokenizer, model.image_data_config(), cfg.eval_batch_size, rank, world)
-    return evaluate(model, loader, tokenizer, load_prompts(cfg.data))
+    return evaluate_data(model, cfg.data, tokenizer, cfg.eval_batch_size, rank, world)
 
 
 def train_metrics(
@@ -285,20 +320,14 @@ def with_run_config(argv: list[str]) -> list[str]:
     return argv
 
 
-def quiet_libraries() -> None:
-    """Silences library chatter that says nothing about this run (rank processes)."""
-    for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):  # DeepSpeed's ZeRO calls these
-        warnings.filterwarnings("ignore", message=rf".*{op}.* is deprecated", category=FutureWarning)
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao's enum registration
-
-
 def summary(final: dict[str, Any]) -> str:
     """The end of a run in a few readable lines."""
     lines = [f"finished {final['steps']} steps in {final.get('run_dir', '')} ({final.get('precision', '')}, "
              f"{final.get('world_size', 1)} ranks, {final.get('samples_per_s', float('nan')):.1f} samples/s)"]
-    if "zeroshot_top1" in final:
-        lines.append(f"  zero-shot top-1 {final['zeroshot_top1']:.3f} (chance {final['zeroshot_chance']:.3f}), "
-                     f"top-5 {final['zeroshot_top5']:.3f}")
+    for prefix, what in (("zeroshot", "zero-shot"), ("imagenet", "ImageNet zero-shot")):
+        if f"{prefix}_top1" in final:
+            lines.append(f"  {what} top-1 {final[f'{prefix}_top1']:.3f} (chance {final[f'{prefix}_chance']:.3f}), "
+                         f"top-5 {final[f'{prefix}_top5']:.3f}")
     if "retrieval_r1" in final:
         lines.append(f"  retrieval R@1 {final['retrieval_r1']:.3f} (image->text {final['i2t_r1']:.3f}, "
                      f"text->image {final['t2i_r1']:.3f}) on {int(final['eval_samples'])} held-out pairs")

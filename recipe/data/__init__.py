@@ -16,6 +16,12 @@ Both factories read one :class:`recipe.config.DataConfig`: the training loader i
 (never labels); the evaluation loader its ``val_data``, ``val_split``, ``eval_workers`` and, when
 set, ``label_column``. Format, columns, ``image_root``, separator and cache settings are shared.
 
+Evaluation data needs no captions when it has labels (zero-shot classification only; batches then
+hold ``pixel_values``, ``labels`` and ``keys``): a table without a caption column, or a folder of
+class subfolders without metadata file (``DIR/<class>/*.jpg``, e.g. an ImageNet validation folder
+``DIR/<wnid>/*.JPEG``), labelled by its folder's index in a ``classes`` mapping given to
+:func:`build_eval_loader` (ImageNet: :func:`recipe.zeroshot.imagenet_prompts`) or in sorted order.
+
 How the data of an epoch is laid out (per rank ``r`` of ``W``, batch size ``B``):
 
 * Map-style sources (CSV/TSV, JSON lines, parquet, imagefolder, ``save_to_disk``): a permutation
@@ -64,7 +70,8 @@ images, a column whose type cannot hold what it should (numbers as captions or i
 label column none of whose first values is a class index.
 
 Modules: :mod:`~recipe.data.formats` (paths, format detection, map-style sources, image bytes),
-:mod:`~recipe.data.webdataset` (tar shards), :mod:`~recipe.data.decode` (skip reasons, cleaning,
+:mod:`~recipe.data.webdataset` (tar shards), :mod:`~recipe.data.classfolder` (class subfolders
+without captions), :mod:`~recipe.data.decode` (skip reasons, cleaning,
 decoding, transforms, collation), :mod:`~recipe.data.plans` (per-rank plans and cursors),
 :mod:`~recipe.data.loader` (batch producer, :class:`ClipLoader`, factories). Zero-shot prompt
 files are :mod:`recipe.zeroshot`.

@@ -2,7 +2,8 @@
 
 :class:`SampleDecoder` turns a :class:`~recipe.data.formats.RawSample` into a :class:`Sample` or
 names why it cannot be used (one of :data:`SKIP_REASONS`); :func:`collate` stacks decoded samples
-into a batch and tokenises the captions.
+into a batch and tokenises the captions. Labelled evaluation data without captions
+(``with_captions=False``) makes batches of images and labels only.
 """
 
 from __future__ import annotations
@@ -103,16 +104,21 @@ class Sample:
 
     key: str
     pixels: torch.Tensor
-    caption: str
+    caption: str | None
     label: int | None = None
 
 
 class SampleDecoder:
-    """Turn a :class:`RawSample` into a :class:`Sample`, or name why it cannot be used."""
+    """Turn a :class:`RawSample` into a :class:`Sample`, or name why it cannot be used.
 
-    def __init__(self, transform: Callable, with_labels: bool):
+    ``with_captions=False``: the source has no captions (labelled evaluation data); the caption of
+    a sample is not read and is None.
+    """
+
+    def __init__(self, transform: Callable, with_labels: bool, with_captions: bool = True):
         self.transform = transform
         self.with_labels = with_labels
+        self.with_captions = with_captions
 
     def __call__(self, raw: RawSample) -> tuple[Sample | None, str | None, str]:
         """Decode one sample.
@@ -123,9 +129,11 @@ class SampleDecoder:
         """
         if raw.error is not None:
             return None, "unreadable_shard", raw.error
-        caption, reason = clean_caption(raw.caption)
-        if reason is not None:
-            return None, reason, f"caption {raw.caption!r:.80}"
+        caption = None
+        if self.with_captions:
+            caption, reason = clean_caption(raw.caption)
+            if reason is not None:
+                return None, reason, f"caption {raw.caption!r:.80}"
         label = None
         if self.with_labels:
             label = clean_label(raw.label)
@@ -149,21 +157,21 @@ class SampleDecoder:
         return Sample(raw.key, pixels, caption, label), None, ""
 
 
-def collate(samples: Sequence[Sample], tokenize: Tokenize | None, with_labels: bool) -> dict[str, Any]:
+def collate(
+    samples: Sequence[Sample], tokenize: Tokenize | None, with_labels: bool, with_captions: bool = True
+) -> dict[str, Any]:
     """Stack decoded samples into a batch and tokenise the captions.
 
     Returns:
-        ``pixel_values`` (float ``[B, 3, H, W]``), ``captions`` (list of str), ``keys`` (list of
-        str), and when ``tokenize`` is given ``input_ids``/``attention_mask`` (long ``[B, L]``),
-        and with labels ``labels`` (long ``[B]``).
+        ``pixel_values`` (float ``[B, 3, H, W]``), ``keys`` (list of str); with captions
+        ``captions`` (list of str) and, when ``tokenize`` is given, ``input_ids``/``attention_mask``
+        (long ``[B, L]``); with labels ``labels`` (long ``[B]``).
     """
+    batch: dict[str, Any] = {"pixel_values": torch.stack([s.pixels for s in samples]), "keys": [s.key for s in samples]}
     captions = [s.caption for s in samples]
-    batch: dict[str, Any] = {
-        "pixel_values": torch.stack([s.pixels for s in samples]),
-        "captions": captions,
-        "keys": [s.key for s in samples],
-    }
-    if tokenize is not None:
+    if with_captions:
+        batch["captions"] = captions
+    if tokenize is not None and with_captions:
         tokens = tokenize(captions)
         for name in ("input_ids", "attention_mask"):
             if name not in tokens:

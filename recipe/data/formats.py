@@ -5,7 +5,9 @@ Two kinds of source feed the loaders:
 * :class:`MapSource` (here) wraps a map-style :class:`datasets.Dataset` (random access by row)
   read from CSV/TSV, JSON lines, parquet, an imagefolder with a metadata file, or a
   ``save_to_disk`` directory. The image column may hold paths (relative to ``image_root`` or to
-  the folder of the file that names them), raw bytes, or ``datasets.Image`` values.
+  the folder of the file that names them), raw bytes, or ``datasets.Image`` values. Evaluation
+  data may have no caption column when it has labels (zero-shot classification only); a folder of
+  class subfolders without metadata is such a source (:mod:`recipe.data.classfolder`).
 * :class:`recipe.data.webdataset.StreamSource` wraps a streamed :class:`datasets.IterableDataset`
   over webdataset tar shards.
 
@@ -159,7 +161,7 @@ def detect_format(paths: Sequence[str]) -> str:
     ``.tar``). A directory is a ``save_to_disk`` dataset if it has ``state.json`` or
     ``dataset_dict.json``, webdataset if it holds ``.tar`` files, parquet if it holds only
     ``.parquet`` files, and an imagefolder if it holds a ``metadata.csv``/``metadata.jsonl`` or
-    image files.
+    image files, or subfolders with image files (class folders, or split folders).
 
     Raises:
         ValueError: If the paths are of mixed or unrecognised kinds.
@@ -178,6 +180,8 @@ def detect_format(paths: Sequence[str]) -> str:
                 kinds.add("imagefolder")
             elif lower and all(n.endswith(".parquet") for n in lower):
                 kinds.add("parquet")
+            elif _has_image_subfolders(p):
+                kinds.add("imagefolder")
             else:
                 raise ValueError(f"cannot tell the data format of directory {p!r}; set data_format explicitly")
         else:
@@ -188,6 +192,20 @@ def detect_format(paths: Sequence[str]) -> str:
     if len(kinds) != 1:
         raise ValueError(f"data paths mix formats {sorted(kinds)}; give one format at a time")
     return kinds.pop()
+
+
+def _has_image_subfolders(directory: str) -> bool:
+    """Whether a subfolder of ``directory`` holds image files, directly or one level further down."""
+
+    def images_in(folder: str) -> bool:
+        return any(n.lower().endswith(_IMAGE_SUFFIXES) for n in os.listdir(folder))
+
+    subdirs = sorted(os.path.join(directory, n) for n in os.listdir(directory) if not n.startswith("."))
+    for sub in filter(os.path.isdir, subdirs):
+        inner = [os.path.join(sub, n) for n in sorted(os.listdir(sub)) if not n.startswith(".")]
+        if images_in(sub) or any(images_in(d) for d in inner[:8] if os.path.isdir(d)):
+            return True
+    return False
 
 
 def files_for_format(paths: Sequence[str], fmt: str) -> list[str]:
@@ -271,22 +289,25 @@ class MapSource:
     Attributes:
         dataset: The ``datasets.Dataset``, reduced to the used columns, images undecoded.
         image_column: Column with image paths/bytes.
-        caption_column: Column with captions.
+        caption_column: Column with captions; None for labelled evaluation data without captions.
         label_column: Column with class labels, or None.
         base_dirs: Per part of the dataset, the folder relative paths resolve against.
         part_starts: Row index at which each part starts (parts are concatenated files).
         description: Human-readable description for messages.
         part_names: Per part, the file or directory it was read from (for messages).
+        class_names: Of a folder of class subfolders, the folder name of each label index (None
+            where a label is not numbered here).
     """
 
     dataset: datasets.Dataset
     image_column: str
-    caption_column: str
+    caption_column: str | None
     label_column: str | None
     base_dirs: list[str]
     part_starts: list[int]
     description: str
     part_names: list[str] = field(default_factory=list)
+    class_names: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -312,13 +333,20 @@ class MapSource:
             return []
         cols = self.dataset[[int(i) for i in indices]]
         labels = cols[self.label_column] if self.label_column else [None] * len(indices)
+        captions = cols[self.caption_column] if self.caption_column else [None] * len(indices)
         return [
             RawSample(str(int(i)), img, cap, lab, self.base_dir(int(i)), None, self.origin(int(i)))
-            for i, img, cap, lab in zip(indices, cols[self.image_column], cols[self.caption_column], labels)
+            for i, img, cap, lab in zip(indices, cols[self.image_column], captions, labels)
         ]
 
     def captions(self) -> list[Any]:
-        """All caption values, as stored."""
+        """All caption values, as stored.
+
+        Raises:
+            ValueError: The source has no caption column.
+        """
+        if self.caption_column is None:
+            raise ValueError(f"{self.description} has no captions")
         return self.dataset[self.caption_column]
 
 
@@ -357,6 +385,7 @@ def open_map_source(
     csv_separator: str | None = None,
     split: str = "train",
     cache_dir: str | None = None,
+    require_captions: bool = True,
 ) -> MapSource:
     """Load a map-style source and check its columns.
 
@@ -371,6 +400,8 @@ def open_map_source(
         csv_separator: CSV separator; sniffed from the header line if None.
         split: Split to take from a multi-split ``save_to_disk``/imagefolder directory.
         cache_dir: ``datasets`` cache directory.
+        require_captions: False (evaluation): without a caption column (none configured, none of
+            the candidates found) the source has labels only, and the label column must exist.
 
     Raises:
         ValueError: Wrong column name, a column of the wrong type, no parsable label among the
@@ -412,10 +443,16 @@ def open_map_source(
         if part.column_names != columns:
             raise ValueError(f"data files have different columns: {columns} vs {part.column_names}")
     img_col = _pick_column("image", image_column, IMAGE_COLUMN_CANDIDATES, columns, where)
-    cap_col = _pick_column("caption", caption_column, CAPTION_COLUMN_CANDIDATES, columns, where)
     lab_col = None
     if label_column is not None:
         lab_col = _pick_column("label", label_column, (), columns, where)
+    try:
+        cap_col: str | None = _pick_column("caption", caption_column, CAPTION_COLUMN_CANDIDATES, columns, where)
+    except ValueError:
+        if require_captions or caption_column is not None or lab_col is None:
+            raise
+        cap_col = None  # labelled evaluation data without captions: zero-shot classification only
+        logger.info("%s has no caption column: labels only (no retrieval metrics)", where)
     for kind, col in (("image", img_col), ("caption", cap_col), ("label", lab_col)):
         if col is not None:
             _check_column_type(kind, col, parts[0].features[col], where)

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from recipe.config import DataConfig
 
+from .classfolder import has_metadata_file, open_class_folder
 from .decode import REPEATED, SKIP_REASONS, Sample, SampleDecoder, Tokenize, build_transform, clean_caption, collate
 from .formats import MAP_FORMATS, MapSource, RawSample, canonical_format, detect_format, expand_paths, open_map_source
 from .plans import Cursor, Layout, MapPlan, StreamPlan
@@ -41,13 +42,21 @@ def _label_column(cfg: DataConfig, train: bool) -> str | None:
     return None if train else (cfg.label_column or None)
 
 
-def open_source(cfg: DataConfig, train: bool = True) -> MapSource | StreamSource:
+def open_source(
+    cfg: DataConfig, train: bool = True, classes: Mapping[str, int] | None = None
+) -> MapSource | StreamSource:
     """Open and validate the training data of ``cfg`` or, with ``train=False``, its validation data.
 
     Training reads ``train_data`` (``split`` of a multi-split directory, ``num_samples`` of
     webdataset shards), never labels; evaluation reads ``val_data`` (``val_split``) and the
     ``label_column`` when set. Both use the format, column, ``image_root``, separator and cache
     settings.
+
+    Evaluation data needs no captions when it has labels: a table without a caption column (its
+    ``label_column`` then must exist), or an imagefolder without metadata file (class subfolders,
+    :func:`recipe.data.classfolder.open_class_folder`: the label is the folder's index in
+    ``classes``, a mapping from folder names such as WordNet ids; default: sorted folder order).
+    Given ``classes``, an imagefolder is always read by its class folders.
 
     Raises:
         FileNotFoundError: The path (or all first image paths) do not exist.
@@ -62,10 +71,12 @@ def open_source(cfg: DataConfig, train: bool = True) -> MapSource | StreamSource
     paths = expand_paths(data)
     fmt = canonical_format(cfg.data_format) if cfg.data_format else detect_format(paths)
     labels = _label_column(cfg, train)
+    if not train and fmt == "imagefolder" and (classes is not None or not has_metadata_file(paths)):
+        return open_class_folder(paths, classes, split)
     columns = dict(image_column=cfg.image_column, caption_column=cfg.caption_column, label_column=labels)
     if fmt in MAP_FORMATS:
         return open_map_source(paths, fmt, **columns, image_root=cfg.image_root, csv_separator=cfg.csv_separator,
-                               split=split, cache_dir=cfg.cache_dir)
+                               split=split, cache_dir=cfg.cache_dir, require_captions=train)
     return open_stream_source(paths, **columns, num_samples=cfg.num_samples if train else None)
 
 
@@ -186,7 +197,8 @@ class _BatchProducer(IterableDataset):
         return None
 
     def _item(self, w: int, i: int, pos: int, samples: list[Sample] | None, stats: Counter, end: bool = False) -> dict:
-        batch = collate(samples, self.tokenize, self.decoder.with_labels) if samples else None
+        dec = self.decoder
+        batch = collate(samples, self.tokenize, dec.with_labels, dec.with_captions) if samples else None
         return {"w": w, "i": i, "pos": pos, "batch": batch, "stats": dict(stats), "end": end}
 
     def _fill(self, w: int, i: int, cursor: Cursor, max_batches: int | None, stop_at_lap_end: bool) -> Iterator:
@@ -281,6 +293,8 @@ class ClipLoader:
         epoch_stats: The same for the current epoch.
         description: Where the data comes from.
         num_source_samples: Samples in the whole dataset (all ranks).
+        has_captions: Whether batches carry captions (labelled evaluation data may have none).
+        class_names: Of class folders numbered in sorted order, the folder name of each label.
     """
 
     def __init__(self, producer: _BatchProducer, *, num_workers: int, prefetch_factor: int, pin_memory: bool):
@@ -293,6 +307,8 @@ class ClipLoader:
         self.pin_memory = pin_memory
         self.description = producer.plan.source.description
         self.num_source_samples = producer.plan.source.num_samples
+        self.has_captions = producer.decoder.with_captions
+        self.class_names: list[str] | None = getattr(producer.plan.source, "class_names", None)
         self.stats: Counter = Counter()
         self.epoch_stats: Counter = Counter()
         self._epoch = 0
@@ -522,14 +538,15 @@ class ClipLoader:
 
 
 def _build_loader(cfg: DataConfig, tokenize: Tokenize | None, image_data_config: Mapping[str, Any],
-                  layout: Layout) -> ClipLoader:
+                  layout: Layout, classes: Mapping[str, int] | None = None) -> ClipLoader:
     workers_field = "workers" if layout.train else "eval_workers"
     workers = getattr(cfg, workers_field)
     if workers < 0:
         raise ValueError(f"{workers_field} must be >= 0, got {workers}")
-    source = open_source(cfg, train=layout.train)
-    with_labels = _label_column(cfg, layout.train) is not None
-    decoder = SampleDecoder(build_transform(image_data_config, layout.train, cfg), with_labels=with_labels)
+    source = open_source(cfg, train=layout.train, classes=classes)
+    with_labels = source.label_column is not None if isinstance(source, MapSource) else source.label_field is not None
+    with_captions = not isinstance(source, MapSource) or source.caption_column is not None
+    decoder = SampleDecoder(build_transform(image_data_config, layout.train, cfg), with_labels, with_captions)
     if isinstance(source, MapSource):
         plan: MapPlan | StreamPlan = MapPlan(source, layout)
     else:
@@ -570,19 +587,22 @@ def build_train_loader(cfg: DataConfig, tokenize: Tokenize | None, image_data_co
 
 
 def build_eval_loader(cfg: DataConfig, tokenize: Tokenize | None, image_data_config: Mapping[str, Any],
-                      batch_size: int, rank: int = 0, world_size: int = 1) -> ClipLoader:
+                      batch_size: int, rank: int = 0, world_size: int = 1,
+                      classes: Mapping[str, int] | None = None) -> ClipLoader:
     """Evaluation loader over ``cfg.val_data``: this rank's contiguous share in order, centre crops.
 
     Reads ``val_data``, ``val_split`` and ``eval_workers``; batches carry ``labels`` when
-    ``cfg.label_column`` is set. The last batch may be short and bad samples are skipped
-    (counted), never replaced.
+    ``cfg.label_column`` is set or the data is a folder of class subfolders, and no captions
+    (``captions``, ``input_ids``) when the data has none (see :func:`open_source`). The last batch
+    may be short and bad samples are skipped (counted), never replaced.
 
-    Args: as :func:`build_train_loader`, without ``seed``.
+    Args: as :func:`build_train_loader`, without ``seed``; ``classes``: folder name -> class index
+        of a folder of class subfolders (see :func:`open_source`).
 
     Raises:
         ValueError: ``cfg.val_data`` is not set; otherwise as :func:`build_train_loader`.
     """
-    return _build_loader(cfg, tokenize, image_data_config, Layout(False, batch_size, rank, world_size))
+    return _build_loader(cfg, tokenize, image_data_config, Layout(False, batch_size, rank, world_size), classes)
 
 
 __all__ = ["ClipLoader", "build_eval_loader", "build_train_loader", "open_source", "read_captions"]

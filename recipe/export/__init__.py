@@ -1,0 +1,128 @@
+"""Models in and out: export a run to open_clip or Hugging Face, and read such directories back.
+
+* ``python -m recipe.export RUN_DIR --format open_clip|hf --out DIR`` (:mod:`recipe.export.__main__`)
+  writes a directory that ``open_clip.create_model_and_transforms("local-dir:DIR")`` or
+  ``transformers.CLIPModel.from_pretrained(DIR)`` loads offline; a model a format cannot represent
+  exactly is refused with :class:`UnsupportedExport` naming what is missing.
+* :func:`read_pretrained` reads an open_clip directory, a Hugging Face CLIP directory or a recipe run
+  into the recipe's own model config, weights and tokenizer (``python -m recipe.train --init-from``).
+
+One file per job: :mod:`.run` (a run's model from its checkpoint), :mod:`.atomic` (an output
+directory appears whole or not at all), :mod:`.open_clip` (+ :mod:`.open_clip_read`) and :mod:`.hf` (the
+two formats, both directions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..model import CLIPConfig
+from ..tokenizer import Tokenizer
+from .atomic import write_directory
+from .run import DTYPES, LoadedRun, load_run, parse_dtype
+
+__all__ = [
+    "FORMATS",
+    "Imported",
+    "LoadedRun",
+    "UnsupportedExport",
+    "DTYPES",
+    "export_run",
+    "load_run",
+    "parse_dtype",
+    "read_pretrained",
+    "detect_format",
+    "write_directory",
+]
+
+
+class UnsupportedExport(ValueError):
+    """The model cannot be represented exactly in the requested format; the message says what is missing."""
+
+
+@dataclass
+class Imported:
+    """A pretrained model read into the recipe's terms (what ``--init-from`` starts from).
+
+    Attributes:
+        config: The recipe's model config (the architecture).
+        state_dict: Weights under the recipe model's parameter names (fp32).
+        tokenizer: The tokenizer that goes with the weights.
+        source: ``open_clip``, ``hf`` or ``recipe``, and the directory, for messages.
+    """
+
+    config: CLIPConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: str
+
+
+def _writers() -> dict[str, Callable[..., None]]:
+    from . import hf, open_clip
+
+    return {"open_clip": open_clip.write, "hf": hf.write}
+
+
+#: Export formats.
+FORMATS = ("open_clip", "hf")
+
+
+def export_run(
+    run_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, dtype: str = "fp32", overwrite: bool = False
+) -> Path:
+    """Exports the newest complete checkpoint of ``run_dir`` (or the given tag directory) to ``out``.
+
+    The output directory appears complete or not at all (:func:`write_directory`).
+
+    Raises:
+        ValueError: An unknown format or dtype.
+        UnsupportedExport: The model cannot be represented exactly in ``fmt``.
+        FileExistsError: ``out`` exists and ``overwrite`` is false.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    torch_dtype = parse_dtype(dtype)
+    run = load_run(run_dir, torch.float32)  # exact fp32 copies of the saved weights; cast when written
+    writer = _writers()[fmt]
+    return write_directory(out, lambda tmp, final: writer(run, tmp, torch_dtype, final=final), overwrite=overwrite)
+
+
+def detect_format(directory: str | os.PathLike) -> str:
+    """``open_clip``, ``hf`` or ``recipe`` for a directory ``--init-from`` may name.
+
+    Raises:
+        FileNotFoundError: The directory does not exist.
+        ValueError: None of the three.
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--init-from directory not found: {path}")
+    if (path / "open_clip_config.json").is_file():
+        return "open_clip"
+    if (path / "model_config.json").is_file() or (path / "checkpoints").is_dir() or (path / "COMPLETE").is_file():
+        return "recipe"
+    config = path / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("model_type") == "clip":
+        return "hf"
+    raise ValueError(
+        f"{path} is neither an open_clip directory (open_clip_config.json), a Hugging Face CLIPModel directory "
+        "(config.json with model_type 'clip') nor a recipe run directory (model_config.json, checkpoints/)"
+    )
+
+
+def read_pretrained(directory: str | os.PathLike) -> Imported:
+    """Reads an open_clip directory, a Hugging Face CLIP directory or a recipe run (see :func:`detect_format`)."""
+    fmt = detect_format(directory)
+    if fmt == "recipe":
+        run = load_run(directory, torch.float32)
+        state = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+        return Imported(run.config, state, run.tokenizer, f"recipe run {run.tag_dir}")
+    from . import hf, open_clip_read
+
+    return {"open_clip": open_clip_read.read, "hf": hf.read}[fmt](Path(directory))

@@ -1,0 +1,94 @@
+"""``python -m recipe.export``: checkpoints DeepSpeed wrote (ZeRO-3, the fp16 route) export; the output
+directory appears whole or not at all; wrong input is a one-line error with a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import recipe.export as export
+from recipe.export.__main__ import main as export_main
+
+from ...dist_utils import run_distributed
+from ..test_train import ENV, _train_worker, ds_json, train_cfg
+
+
+@pytest.fixture(scope="module")
+def trained(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two steps of the tiny preset on 2 ranks under ZeRO-3 (bf16) and on the fp16 route (ZeRO-0)."""
+    tmp = tmp_path_factory.mktemp("runs")
+    runs = {}
+    for name in ("zero3_bf16_halfmaster.json", "zero0_fp16_sr_lossscale.json"):
+        cfg = train_cfg(data, tmp / name.split("_")[0], ds_json(tmp, name), steps=2, optim={"warmup_steps": 0})
+        cfg["data"]["val_data"] = None
+        runs[name.split("_")[0]] = cfg
+    run_distributed(_train_worker, 2, list(runs.values()), None, init_process_group=False, env=ENV, timeout_s=900)
+    return {k: Path(v["output_dir"]) for k, v in runs.items()}
+
+
+@pytest.mark.parametrize("run, half", [("zero3", torch.bfloat16), ("zero0", torch.float16)])
+def test_deepspeed_checkpoints_export(trained: dict[str, Path], tmp_path: Path, run: str, half: torch.dtype,
+                                      capsys: pytest.CaptureFixture) -> None:
+    """The consolidated weights of a sharded (ZeRO-3) or fp16-route run export in fp32 without loss: every
+    value is the run's half-precision value; the exported logit scale is the one the run logged last."""
+    import open_clip
+    from safetensors.torch import load_file
+
+    out = tmp_path / "oc"
+    assert export_main([str(trained[run]), "--format", "open_clip", "--out", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    tensors = load_file(out / "open_clip_model.safetensors")
+    # the tiny ViT's patch-embedding bias is folded into the patch tokens' positional embedding (a sum)
+    floats = {k: t for k, t in tensors.items() if t.is_floating_point() and k != "visual.positional_embedding"}
+    assert len(floats) > 20 and all(t.dtype == torch.float32 for t in floats.values())
+    assert all(torch.equal(t.to(half).float(), t) for t in floats.values())  # exact copies of the run's weights
+    rows = [json.loads(x) for x in (trained[run] / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["logit_scale"] for r in rows if r["kind"] == "train"][-1]
+    model, _, _ = open_clip.create_model_and_transforms(f"local-dir:{out}")
+    scale = float(model.logit_scale.detach().exp())
+    assert scale == pytest.approx(logged, rel=1e-6)
+    assert scale != pytest.approx(1 / 0.07, rel=1e-4)  # trained: it moved
+    assert (out / "open_clip_config.json").is_file() and not list(tmp_path.glob(".*partial*"))
+
+
+def test_output_appears_whole_or_not_at_all(make_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run, _ = make_run("run", preset="tiny")
+    out = tmp_path / "export"
+
+    def dies_midway(run, tmp, dtype, final=None):
+        (tmp / "open_clip_model.safetensors").write_bytes(b"half a file")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(export, "_writers", lambda: {"open_clip": dies_midway, "hf": dies_midway})
+    with pytest.raises(OSError, match="No space left"):
+        export.export_run(run, "open_clip", out)
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["run"]  # no output, no leftovers
+    out.mkdir()
+    (out / "keep.txt").write_text("an earlier export")
+    with pytest.raises(OSError):
+        export.export_run(run, "open_clip", out, overwrite=True)
+    assert (out / "keep.txt").read_text() == "an earlier export"  # a failed overwrite keeps the old one
+
+
+def test_wrong_input_is_one_line_and_a_nonzero_exit(make_run, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run, _ = make_run("run", preset="tiny")
+    cases = [
+        ([str(tmp_path / "missing"), "--format", "hf", "--out", str(tmp_path / "x")], 2, "run directory not found"),
+        ([str(run), "--format", "hf", "--out", str(tmp_path / "x")], 1, "cannot export"),  # the tiny ViT: no pre-norm
+        ([str(run), "--format", "open_clip", "--out", str(run)], 2, "already exists"),
+    ]
+    for argv, code, message in cases:
+        assert export_main(argv) == code, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+        assert not (tmp_path / "x").exists()
+    with pytest.raises(SystemExit):
+        export_main([str(run), "--format", "onnx", "--out", str(tmp_path / "x")])
+    assert "invalid choice: 'onnx'" in capsys.readouterr().err
+    (run / "checkpoints" / "step00000007" / "COMPLETE").unlink()  # a save that never finished
+    assert export_main([str(run), "--format", "open_clip", "--out", str(tmp_path / "y")]) == 2
+    assert "step00000007 is incomplete (no COMPLETE marker)" in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()
