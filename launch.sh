@@ -5,6 +5,7 @@
 #   NUM_GPUS=8 DS_CONFIG=ds_configs/zero2_bf16_halfmaster.json bash launch.sh \
 #       --preset ViT-B-32 --train-data /data/cc3m/train.csv --val-data /data/cc3m/val.csv --epochs 32
 #   bash launch.sh --output-dir runs/demo --resume latest      # continue a run with its own settings
+#   bash launch.sh --init-from exported/ --steps 100           # fine-tune an open_clip/HF/recipe model on the demo data
 #   HOSTFILE=hostfile bash launch.sh --train-data 's3-mounted/shards-{0000..0999}.tar' --data-format webdataset
 # Every argument goes to `python -m recipe.train` (`bash launch.sh --help` lists them). Relative paths
 # are taken from the directory you run this from. Without --train-data (or --config / --resume) the
@@ -51,8 +52,9 @@ if ! has --train-data "$@" && ! $resuming; then
   # the demo: a synthetic dataset written once, a small CLIP trained on it, evaluated on its held-out split
   DATA_DIR=${DATA_DIR:-$REPO/data/synthetic}
   [ -f "$DATA_DIR/train.csv" ] || python -m recipe.synthetic --out "$DATA_DIR" --n 6000 --image-size 32
-  args+=(--preset tiny --train-data "$DATA_DIR/train.csv" --val-data "$DATA_DIR/val.csv"
+  args+=(--train-data "$DATA_DIR/train.csv" --val-data "$DATA_DIR/val.csv"
          --steps 400 --lr 2e-3 --warmup-steps 30 --eval-every 200 --log-every 50)
+  has --init-from "$@" || args+=(--preset tiny)   # --init-from brings its own architecture
 fi
 
 launcher=(deepspeed --no_local_rank --log_level critical)  # the ranks report their own errors
