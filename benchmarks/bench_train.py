@@ -42,6 +42,11 @@ Usage::
     python benchmarks/bench_train.py --device cpu         # tiny presets, batch 32
     python benchmarks/bench_train.py --fit none --ckpt off --steps 5   # quick look
     python benchmarks/bench_train.py --device cpu --fit none --accumulation 1 4   # embedding cache cost
+    python benchmarks/bench_train.py --device cpu --fit none --ckpt off --no-baseline --compile   # torch.compile
+
+``--compile`` compiles the recipe arms' towers (:func:`recipe.engine.compile_towers`, ZeRO 0-2 configs)
+after the engine is built; the compilation falls in the warm-up steps, whose time each row reports as
+``warmup_seconds``.
 
 Output: a markdown table (device, versions, date) on stdout and a JSON file
 (``benchmarks/results/bench_train_<device>.json`` by default).
@@ -114,6 +119,7 @@ class BenchSettings:
     loss_modes: list[str] = field(default_factory=lambda: ["plain", "fused"])
     accumulation: list[int] = field(default_factory=lambda: [1])  # recipe arms: micro-batches per step
     contrastive_batch: str = "global"
+    compile: bool = False  # recipe arms: torch.compile of the towers (recipe.engine.compile_towers)
     baseline: bool = True
     fit: str = "all"  # all | off (checkpointing off only) | none
     max_batch: int | None = None  # 65536 on CUDA, 4 x batch on CPU
@@ -183,6 +189,7 @@ class RecipeRunner(Runner):
         seed: int = 0,
         accumulation: int = 1,
         contrastive_batch: str = "global",
+        compile: bool = False,
     ) -> None:
         from recipe.loss import ClipLoss
         from recipe.precision import read_ds_config
@@ -205,6 +212,11 @@ class RecipeRunner(Runner):
         )
         if accumulation > 1:
             self.description += f", {accumulation} micro-batches per step, contrastive batch {contrastive_batch}"
+        if compile:  # after deepspeed.initialize: fine under ZeRO 0-2 (compile_towers refuses ZeRO-3 here)
+            from recipe.engine import compile_towers
+
+            compile_towers(self.arm.model, self.arm.engine.zero_optimization_stage())
+            self.description += ", towers compiled (torch.compile)"
         model = self.arm.model
         self.text = TextSpec.of(model)
         self.image_size = int(model.image_data_config()["input_size"][-1])
@@ -370,6 +382,7 @@ def build_runner(spec: dict[str, Any], device: torch.device) -> Runner:
             spec["seed"],
             spec.get("accumulation", 1),
             spec.get("contrastive_batch", "global"),
+            spec.get("compile", False),
         )
     if arm in ("openclip", "torch-amp"):
         return OpenClipRunner(spec["preset"], spec["ckpt"], device, spec["seed"], fallback=arm == "torch-amp")
@@ -400,7 +413,10 @@ def measure_worker(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None])
         }
         inputs = {k: v.to(device) for k, v in inputs.items()}
         try:
+            t0 = time.perf_counter()
             losses = [runner.step(inputs) for _ in range(warmup)]
+            _sync(device)
+            out["warmup_seconds"] = time.perf_counter() - t0  # with --compile: the compilation
             gc.collect()
             meter.reset()
             _sync(device)
@@ -585,6 +601,7 @@ def _spec(s: BenchSettings, arm: str, ckpt: bool, batches: list[dict[str, Any]],
         "ckpt": ckpt,
         "accumulation": accumulation,
         "contrastive_batch": s.contrastive_batch,
+        "compile": s.compile,
         "preset": s.preset,
         "device": s.device,
         "ds_config": s.ds_config,
@@ -654,6 +671,7 @@ def _row_line(r: dict[str, Any]) -> str:
         return f"  {r['arm']} ckpt={r['ckpt']}: batch {r['batch']} does not fit ({r.get('error')})"
     fit = f", largest batch {r.get('largest_batch')}" if "largest_batch" in r else ""
     acc = f" accumulation {r['accumulation']}" if r.get("accumulation", 1) > 1 else ""
+    acc += f" compiled (warm-up {r['warmup_seconds']:.1f} s)" if "towers compiled" in r.get("description", "") else ""
     return (
         f"  {r['arm']}{acc} ckpt={r['ckpt']}: {r['samples_per_s']:.1f} samples/s, "
         f"peak {r['peak_bytes'] / MIB:.1f} MiB{fit}"
@@ -754,6 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--contrastive-batch", choices=("global", "micro"), default="global",
         help="recipe arms with accumulation: one loss over the whole step (global) or per micro-batch",
     )
+    ap.add_argument("--compile", action="store_true", help="recipe arms: torch.compile the towers (ZeRO 0-2 configs)")
     ap.add_argument(
         "--fit",
         choices=("all", "off", "none"),
@@ -788,6 +807,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         loss_modes=args.loss_modes,
         accumulation=args.accumulation,
         contrastive_batch=args.contrastive_batch,
+        compile=args.compile,
         baseline=not args.no_baseline,
         fit=args.fit,
         max_batch=args.max_batch,

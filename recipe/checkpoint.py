@@ -7,6 +7,7 @@ Layout of ``<run>/checkpoints``::
                              with its seed and per-tensor steps)
         rank00000.pt         this rank's client state: step, data position, RNG states
         model_weights.pt     the full module state dict (for ``python -m recipe.evaluate``)
+        ema_weights.pt       with ``--ema-decay``: the EMA's full state dict, same names (:mod:`recipe.ema`)
         COMPLETE             written last, after every rank has finished (atomic rename)
     step00000100.r1/         a later save of the same step (e.g. after resuming from an older one)
     latest                   the tag of the newest complete checkpoint (atomic rename)
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 MODEL_WEIGHTS = "model_weights.pt"
+EMA_WEIGHTS = "ema_weights.pt"
 _TAG = re.compile(r"step(\d{8})(?:\.r(\d+))?")
 
 
@@ -135,11 +137,14 @@ def _agree(failed: BaseException | None, what: str) -> None:
         raise CheckpointError(f"{what}{detail}") from failed
 
 
-def save(engine: Any, ckpt_dir: str | os.PathLike, step: int, client_state: dict[str, Any]) -> Path:
+def save(
+    engine: Any, ckpt_dir: str | os.PathLike, step: int, client_state: dict[str, Any], ema: Any | None = None
+) -> Path:
     """Saves a checkpoint of ``engine`` at ``step`` with this rank's ``client_state``.
 
     Every rank must call it. ``client_state`` holds what differs between ranks (data position, RNG
     state) and is written to the tag's ``rankNNNNN.pt``; the shared state goes through DeepSpeed.
+    ``ema`` (a :class:`recipe.ema.ModelEMA`) adds its full state dict as :data:`EMA_WEIGHTS`.
     Existing checkpoints are never modified (see the module docstring).
 
     Returns:
@@ -172,6 +177,10 @@ def save(engine: Any, ckpt_dir: str | os.PathLike, step: int, client_state: dict
             weights = engine.module.state_dict() if rank == 0 else None
         if rank == 0:
             _atomic_torch_save({k: v.detach().cpu() for k, v in weights.items()}, tag_dir / MODEL_WEIGHTS)
+        if ema is not None:
+            ema_weights = ema.full_state_dict(dst=0)  # collective under ZeRO-3: every rank calls it
+            if rank == 0:
+                _atomic_torch_save(ema_weights, tag_dir / EMA_WEIGHTS)
         _atomic_torch_save(client_state, tag_dir / f"rank{rank:05d}.pt")
     except Exception as e:  # a full disk, a permission error, ...: every rank must learn of it
         error = e

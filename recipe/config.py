@@ -38,6 +38,8 @@ __all__ = [
 #: Names of :data:`recipe.loss.LOSS_MODES` (kept here so that the config imports no torch code).
 LOSS_MODE_NAMES = ("plain", "chunked", "fused")
 SCHEDULES = ("cosine", "constant")
+#: Values of ``--loss``.
+LOSS_NAMES = ("clip", "siglip")
 #: Values of ``--contrastive-batch`` (:data:`recipe.passes.CONTRASTIVE_BATCHES`).
 CONTRASTIVE_BATCH_NAMES = ("global", "micro")
 
@@ -108,6 +110,20 @@ class ModelConfig:
         "directory or a recipe run directory; architecture and tokenizer are read from it",
     )
     grad_checkpointing: bool = option(False, "activation checkpointing in both towers")
+    patch_dropout: float = option(
+        0.0, "fraction of image patch tokens dropped in training (FLIP; timm ViT towers only, none at evaluation)",
+        ge=0, lt=1,
+    )
+    lock_image: bool = option(False, "freeze the image tower (LiT): no gradients, no optimizer state")
+    lock_image_unlocked_groups: int = option(
+        0, "with --lock-image: leave the last N layer groups (blocks/stages) of the image tower trainable", ge=0
+    )
+    lock_text: bool = option(False, "freeze the text tower: no gradients, no optimizer state")
+    init_logit_scale: float | None = option(
+        None, "initial logit multiplier exp(logit_scale) (unset: 1/0.07 for --loss clip, 10 for siglip)", gt=0
+    )
+    init_logit_bias: float | None = option(None, "initial logit bias of --loss siglip (unset: -10)", le=100)
+    compile: bool = option(False, "torch.compile both towers (under DeepSpeed, CPU too)")
     text_master_weights: bool = option(
         False, "keep an fp32 master for the text tower (default: SR half weights, as the CLIP paper)"
     )
@@ -192,6 +208,15 @@ class OptimConfig:
     schedule: str = option("cosine", "after warmup: cosine (to --min-lr) or constant")
     min_lr: float = option(0.0, "final learning rate of the cosine schedule", ge=0)
     sr_seed: int = option(0, "seed of the stochastic-rounding noise", ge=0)
+    image_lr: float | None = option(None, "peak learning rate of the image tower (unset: --lr)", ge=0)
+    text_lr: float | None = option(None, "peak learning rate of the text tower (unset: --lr)", ge=0)
+    layer_decay: float | None = option(
+        None, "layer-wise lr decay of the image tower: block i of n gets lr x decay^(n-i) (ViT, ConvNeXt)", gt=0, le=1
+    )
+    ema_decay: float | None = option(
+        None, "keep an exponential moving average of the weights (ema <- D ema + (1-D) w after every step)", ge=0, lt=1
+    )
+    ema_warmup: bool = option(False, "with --ema-decay: decay min(D, (1+t)/(10+t)) at step t")
 
 
 @dataclass
@@ -204,6 +229,7 @@ class TrainConfig:
     deepspeed_config: str = option(
         "ds_configs/zero2_bf16_halfmaster.json", "DeepSpeed JSON: batch size, accumulation, precision, clipping, ZeRO"
     )
+    loss: str = option("clip", "contrastive loss: clip (softmax, InfoNCE) or siglip (sigmoid, with a learnable bias)")
     loss_mode: str = option("plain", "contrastive loss implementation: plain, chunked or fused (Triton)")
     chunk_size: int = option(4096, "tile edge of the chunked loss (caps the fused loss's tile)", ge=1)
     contrastive_batch: str = option(
@@ -235,6 +261,8 @@ class TrainConfig:
         """
         if self.loss_mode not in LOSS_MODE_NAMES:
             raise ValueError(f"loss_mode must be one of {', '.join(LOSS_MODE_NAMES)}, got {self.loss_mode!r}")
+        if self.loss not in LOSS_NAMES:
+            raise ValueError(f"loss must be one of {', '.join(LOSS_NAMES)}, got {self.loss!r}")
         if self.contrastive_batch not in CONTRASTIVE_BATCH_NAMES:
             raise ValueError(
                 f"contrastive_batch must be one of {', '.join(CONTRASTIVE_BATCH_NAMES)}, got {self.contrastive_batch!r}"
@@ -245,6 +273,12 @@ class TrainConfig:
             values = getattr(self, section) if section else self
             for f, hint in _leaves(cls):
                 _check_bounds(f, hint, getattr(values, f.name))
+        if self.loss == "siglip" and self.loss_mode == "fused":
+            raise ValueError("loss_mode fused is the clip loss's Triton kernel; --loss siglip runs plain or chunked")
+        if self.model.init_logit_bias is not None and self.loss != "siglip":
+            raise ValueError("init_logit_bias is for --loss siglip (the clip loss has no bias)")
+        if self.model.lock_image_unlocked_groups and not self.model.lock_image:
+            raise ValueError("lock_image_unlocked_groups needs --lock-image")
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give steps or epochs, not both")
         for name in ("train_scale", "train_ratio"):

@@ -9,6 +9,9 @@ Small factory functions keyed by name:
   are there, ``from_config`` otherwise), and pools its token states as the architecture expects.
 * :data:`POOLERS` maps a pooling name (``eos``, ``cls``, ``mean``, ``last``) to a function.
 
+Image towers take FLIP's patch dropout (``patch_dropout``) and keep the BatchNorm layers of a locked
+tower in evaluation mode (``ImageTower.frozen_norms``, set by :meth:`recipe.model.CLIP.lock_image_tower`).
+
 Nothing here touches the network: timm is always called with ``pretrained=False`` unless a local
 weights file is given, and transformers with ``local_files_only=True``.
 """
@@ -53,6 +56,8 @@ class ImageTower(nn.Module):
         trunk: The timm model (created with ``num_classes=0``).
         name: The timm model name.
         width: Width of the pooled features (``trunk.num_features``).
+        frozen_norms: Names (in ``trunk``) of BatchNorm layers that :meth:`train` leaves in evaluation
+            mode (a locked tower's: see :meth:`recipe.model.CLIP.lock_image_tower`).
     """
 
     def __init__(self, trunk: nn.Module, name: str, data_config: dict[str, Any]) -> None:
@@ -61,10 +66,20 @@ class ImageTower(nn.Module):
         self.name = name
         self.width = int(trunk.num_features)
         self._data_config = dict(data_config)
+        self.frozen_norms: list[str] = []
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """Returns the pooled (pre-classifier) features of ``pixels``."""
         return self.trunk(pixels)
+
+    def train(self, mode: bool = True) -> ImageTower:
+        """Sets training mode, except for the :attr:`frozen_norms`: they stay in evaluation mode
+        (normalising with, and keeping, their running statistics)."""
+        super().train(mode)
+        modules = dict(self.trunk.named_modules())
+        for name in self.frozen_norms:
+            modules[name].train(False)
+        return self
 
     def data_config(self) -> dict[str, Any]:
         """The timm data config (``input_size``, ``interpolation``, ``mean``, ``std``, ``crop_pct``,
@@ -126,6 +141,14 @@ def _fixed_input_size(name: str) -> bool:
     return bool(cfg is not None and cfg.fixed_input_size)
 
 
+def _has_patch_dropout(trunk: nn.Module, prob: float) -> bool:
+    """Whether ``trunk`` drops patch tokens at ``prob`` (timm's PatchDropout modules)."""
+    from timm.layers import PatchDropout, PatchDropoutWithIndices
+
+    kinds = (PatchDropout, PatchDropoutWithIndices)
+    return any(isinstance(m, kinds) and m.prob == prob for m in trunk.modules())
+
+
 def create_image_tower(
     name: str,
     *,
@@ -134,6 +157,7 @@ def create_image_tower(
     mean: tuple[float, ...] | None = None,
     std: tuple[float, ...] | None = None,
     crop_pct: float | None = None,
+    patch_dropout: float = 0.0,
     **timm_kwargs: Any,
 ) -> ImageTower:
     """Builds a timm image tower by model name.
@@ -152,6 +176,11 @@ def create_image_tower(
         std: Per-channel normalisation std overriding timm's default for the model.
         crop_pct: Evaluation centre-crop fraction overriding timm's (1.0: resize the shorter side
             to the input size and crop the centre, as CLIP evaluates).
+        patch_dropout: Fraction of the patch tokens dropped in training (FLIP), none in evaluation
+            mode; prefix tokens (class, registers) are always kept. timm's ``patch_drop_rate``: the
+            tower keeps ``max(1, int(N * (1 - patch_dropout)))`` of its ``N`` patches, a new random
+            subset per image and forward. Weightless: the state dict does not change. Only for
+            towers with patch tokens (timm ViTs, EVA...).
         **timm_kwargs: Passed to ``timm.create_model`` (``img_size``, ``patch_size``, ``depth``,
             ``embed_dim``, ``layers``, ``channels``, ``dims``, ``depths``, ``drop_path_rate``...).
 
@@ -160,11 +189,14 @@ def create_image_tower(
 
     Raises:
         FileNotFoundError: ``weights`` does not exist.
-        ValueError: bad arguments (an unknown model name raises timm's own error).
+        ValueError: bad arguments, or patch dropout for a tower without patch tokens (an unknown
+            model name raises timm's own error).
     """
     for reserved in ("pretrained", "num_classes", "pretrained_cfg_overlay", "pretrained_cfg"):
         if reserved in timm_kwargs:
             raise ValueError(f"{reserved!r} is set by create_image_tower; use weights= for a local file")
+    if "patch_drop_rate" in timm_kwargs:  # a training setting, kept out of the architecture's kwargs
+        raise ValueError("give patch dropout as patch_dropout=, not as timm's patch_drop_rate")
     create_kwargs: dict[str, Any] = dict(timm_kwargs)
     if image_size is not None:
         size = _size_pair(image_size, "image_size")
@@ -182,7 +214,19 @@ def create_image_tower(
         create_kwargs.update(pretrained=True, pretrained_cfg_overlay={"file": str(path)})
     else:
         create_kwargs["pretrained"] = False
-    trunk = timm.create_model(name, num_classes=0, **create_kwargs)
+    if not 0.0 <= patch_dropout < 1.0:
+        raise ValueError(f"patch_dropout must be in [0, 1), got {patch_dropout}")
+    if patch_dropout > 0:
+        create_kwargs["patch_drop_rate"] = float(patch_dropout)
+    no_patches = f"patch dropout needs an image tower with patch tokens (a timm ViT); {name!r} has none"
+    try:
+        trunk = timm.create_model(name, num_classes=0, **create_kwargs)
+    except TypeError as e:  # ResNet, ConvNeXt...: the constructor takes no patch_drop_rate
+        if "patch_drop_rate" in str(e):
+            raise ValueError(f"{no_patches} ({e})") from None
+        raise
+    if patch_dropout > 0 and not _has_patch_dropout(trunk, patch_dropout):
+        raise ValueError(f"{no_patches} (no PatchDropout module in its {type(trunk).__name__})")
     data_config = _image_data_config(trunk, timm_kwargs, image_size, mean, std, crop_pct)
     return ImageTower(trunk, name, data_config)
 

@@ -1,5 +1,6 @@
 """DeepSpeed engine setup shared by the training loop and the benchmarks: process group, engine
-with the recipe's optimizer and precision route, and a module to evaluate under any ZeRO stage."""
+with the recipe's optimizer and precision route (and ``--compile``), and a module to evaluate under
+any ZeRO stage."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import importlib
 import logging
 import os
 import socket
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -15,7 +16,7 @@ from .config import TrainConfig
 from .optimizer import build_optimizer
 from .precision import Precision
 
-__all__ = ["init_distributed", "build_engine", "eval_module"]
+__all__ = ["init_distributed", "build_engine", "compile_towers", "compiled_units", "eval_module"]
 
 
 def _free_port() -> int:
@@ -83,7 +84,7 @@ def build_engine(
     ``ds_config`` is the config :func:`recipe.precision.resolve_precision` returned with ``prec``.
     On the fp16 route the model is cast to fp16 here and the recipe all-reduces gradients itself
     (see :mod:`recipe.precision`). ``optimizer`` replaces SRAdamW (the benchmarks' comparison arms);
-    its groups need a ``name``.
+    its groups need a ``name``. ``cfg.model.compile`` compiles the towers first (:func:`compile_towers`).
 
     Returns:
         ``(engine, optimizer, group_params)``: ``group_params`` counts the model parameters of each
@@ -93,12 +94,113 @@ def build_engine(
 
     if prec.mode == "fp16":
         model.half()
+    if cfg.model.compile:  # before deepspeed.initialize: ZeRO-3 registers its hooks there
+        compile_towers(model, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)))
     opt = optimizer if optimizer is not None else build_optimizer(model, cfg, prec)
     group_params = {g["name"]: sum(p.numel() for p in g["params"]) for g in opt.param_groups}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     if prec.mode == "fp16":
         engine.enable_backward_allreduce = False  # done by allreduce_gradients (see recipe.precision)
     return engine, opt, group_params
+
+
+# --------------------------------------------------------------------------------------------------
+# --compile
+# --------------------------------------------------------------------------------------------------
+
+#: ``torch.compile`` of each class's ``forward``, made once per class (Dynamo caches per code object).
+_COMPILED_FORWARD: dict[type, Callable[..., Any]] = {}
+
+
+class _CompiledForward:
+    """A module's ``forward``: its class's ``forward`` through ``torch.compile`` in training mode, eager in
+    evaluation mode. An object rather than a bound method, so that ``copy.deepcopy`` and pickle rebind
+    it to the copy (a ``torch.compile`` wrapper of a bound method would keep calling the original)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cls = type(self.module)
+        if not self.module.training:
+            return cls.forward(self.module, *args, **kwargs)
+        compiled = _COMPILED_FORWARD.get(cls)
+        if compiled is None:
+            compiled = _COMPILED_FORWARD[cls] = torch.compile(cls.forward, dynamic=False)
+        return compiled(self.module, *args, **kwargs)
+
+
+def _repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The outermost elements of ``ModuleList``/``Sequential`` containers whose elements all share one
+    class from outside ``torch.nn`` and hold parameters: transformer layers, CNN stages."""
+    found: list[torch.nn.Module] = []
+    for child in module.children():
+        kinds = {type(c) for c in child} if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) else set()
+        if (len(kinds) == 1 and not next(iter(kinds)).__module__.startswith("torch.")
+                and any(True for _ in child.parameters())):
+            found.extend(child)
+        else:
+            found.extend(_repeated_blocks(child))
+    return found
+
+
+def compiled_units(model: torch.nn.Module, zero_stage: int) -> list[torch.nn.Module]:
+    """The modules :func:`compile_towers` compiles: under ZeRO 0-2 the two towers (``model.visual``,
+    ``model.text``), under ZeRO-3 the towers' repeated blocks (see there)."""
+    towers = [model.visual, model.text]
+    if zero_stage < 3:
+        return towers
+    units = []
+    for tower in towers:
+        blocks = _repeated_blocks(tower)
+        if not blocks:
+            raise ValueError(f"--compile under ZeRO-3 compiles the towers' repeated blocks, and the "
+                             f"{type(tower).__name__} has none (a list of blocks of one class)")
+        units += blocks
+    return units
+
+
+def compile_towers(model: torch.nn.Module, zero_stage: int = 0) -> list[torch.nn.Module]:
+    """``--compile``: ``torch.compile`` of both towers, in place; call it before ``deepspeed.initialize``.
+
+    Each compiled module gets, as its own ``forward``, the class's ``forward`` through ``torch.compile``
+    in training mode (evaluation stays eager: no compilation for evaluation batch shapes, and the same
+    numbers as an uncompiled model). The module tree, and so every parameter name, state dict,
+    checkpoint and export, is unchanged: no ``torch.compile(model)`` wrapper with its ``_orig_mod.``
+    prefix. Module hooks (DeepSpeed's among them) run outside the compiled code, around ``forward``.
+
+    Under ZeRO 0-2 the compiled units are the two towers whole. ZeRO-3 gathers and releases the weights
+    of every submodule through hooks inside the towers, which compiled code neither runs in order nor
+    traces (a tower whose inputs need no gradient also releases its weights before its own backward);
+    there the units are the towers' repeated blocks (transformer layers, CNN stages: regional
+    compilation, one compiled graph per block class and shape), each made a ZeRO-3 leaf module
+    (``deepspeed.utils.set_z3_leaf_module``): its hooks gather the block's weights before its compiled
+    forward and release them after its backward. Weights live one block at a time, as before.
+
+    Graphs are static (``dynamic=False``): training shapes do not change from step to step, and the
+    stages of a CNN differ in shape (symbolic shapes failed in Inductor on ConvNeXt stages). The first
+    step compiles a graph with and one without autograd (the global contrastive batch's first forward
+    runs without); later steps reuse them.
+
+    Returns:
+        The compiled modules (:func:`compiled_units`).
+
+    Raises:
+        ValueError: ZeRO-3 after ``deepspeed.initialize`` (its hooks are in place), or a tower without
+            repeated blocks under ZeRO-3.
+    """
+    units = compiled_units(model, zero_stage)
+    if zero_stage >= 3:
+        if any(hasattr(p, "ds_id") for p in model.parameters()):
+            raise ValueError("compile_towers under ZeRO-3 must run before deepspeed.initialize")
+        from deepspeed.utils import set_z3_leaf_module
+
+        for unit in units:
+            set_z3_leaf_module(unit, True)
+    for unit in units:
+        if "forward" not in vars(unit):  # idempotent; a module that has its own forward already is left as is
+            unit.forward = _CompiledForward(unit)
+    return units
 
 
 def eval_module(engine: Any, tokenizer: Any) -> torch.nn.Module:

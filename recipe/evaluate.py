@@ -7,6 +7,7 @@ under every ZeRO stage; standalone::
     python -m recipe.evaluate --checkpoint runs/demo/checkpoints/step00000300 --val-data DIR/val.csv
     python -m recipe.evaluate --checkpoint runs/demo --zeroshot imagenet --val-data /data/imagenet/val
     python -m recipe.evaluate --checkpoint runs/demo --zeroshot classes.json --val-data DIR
+    python -m recipe.evaluate --checkpoint runs/demo --ema      # the EMA weights (--ema-decay runs)
 
 What is evaluated:
 
@@ -23,7 +24,8 @@ What is evaluated:
 
 Unreadable or corrupt images are skipped and counted (``eval_skipped``, ``<name>_skipped`` for the
 zero-shot data). Standalone evaluation prints one JSON line of metrics and writes them, with what was
-evaluated, to ``RUN_DIR/eval_<name>_step<N>.json`` (``imagenet``, the prompt file's name, or ``val``).
+evaluated, to ``RUN_DIR/eval_<name>_step<N>.json`` (``imagenet``, the prompt file's name, or ``val``;
+``eval_<name>_ema_step<N>.json`` with ``--ema``).
 """
 
 from __future__ import annotations
@@ -337,6 +339,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--workers", type=int, default=None, help="DataLoader worker processes (default: the run's)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ap.add_argument("--ema", action="store_true", help="evaluate the checkpoint's EMA weights (runs with --ema-decay)")
     args = ap.parse_args(argv)
     path = Path(args.checkpoint)
     tag_dir = checkpoint.resolve(str(path), path / "checkpoints")
@@ -360,7 +363,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         tokenizer=tokenizer,
         text_load_weights=False,
     )
-    state = torch.load(tag_dir / checkpoint.MODEL_WEIGHTS, map_location="cpu", weights_only=True)
+    weights = tag_dir / (checkpoint.EMA_WEIGHTS if args.ema else checkpoint.MODEL_WEIGHTS)
+    if not weights.is_file():
+        raise checkpoint.CheckpointError(f"{weights} not found" + (" (train with --ema-decay)" if args.ema else ""))
+    state = torch.load(weights, map_location="cpu", weights_only=True)
     model.to(state["logit_scale"].dtype)  # evaluate in the precision the run trained in
     model.load_state_dict(state)
     metrics = evaluate_data(model, data, tokenizer, args.batch_size, progress=not args.no_progress)
@@ -368,9 +374,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     shown = {k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v) for k, v in metrics.items()}
     record = {
         **metrics, "checkpoint": str(tag_dir), "val_data": data.val_data, "zeroshot_data": data.zeroshot_data,
-        "zeroshot": data.zeroshot,
+        "zeroshot": data.zeroshot, "weights": weights.name,
     }
-    out = run_dir / f"eval_{_output_name(data)}_step{metrics['step']}.json"
+    out = run_dir / f"eval_{_output_name(data)}{'_ema' if args.ema else ''}_step{metrics['step']}.json"
     checkpoint.atomic_write_bytes(out, json.dumps(record, indent=1).encode())
     text = _summary(metrics)
     print((text + "\n" if text else "") + f"written to {out}", file=sys.stderr, flush=True)

@@ -9,7 +9,9 @@ Usage::
     img = model.encode_image(pixels)        # [B, embed_dim], L2-normalised
     txt = model.encode_text(input_ids, attention_mask)
     img, txt, scale = model(pixels, input_ids, attention_mask)   # scale = logit_scale.exp()
-    model.clamp_logit_scale_()              # after every optimizer step
+    model = create_model("tiny", patch_dropout=0.5)   # FLIP: half the patches dropped in training
+    model.lock_image_tower(unlocked_groups=1)         # LiT: only the last layer group and image_proj train
+    model.lock_text_tower()
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class ImageTowerConfig:
         std: Normalisation std override.
         crop_pct: Evaluation centre-crop fraction override (the presets use 1.0, as CLIP).
         timm_kwargs: Extra ``timm.create_model`` keyword arguments.
+        patch_dropout: Fraction of patch tokens dropped in training (FLIP; timm ViTs only). A
+            training setting without weights, kept apart from ``timm_kwargs`` (the architecture
+            that evaluation and export rebuild): in evaluation mode the tower is the same model.
     """
 
     name: str
@@ -66,6 +71,7 @@ class ImageTowerConfig:
     std: tuple[float, ...] | None = None
     crop_pct: float | None = None
     timm_kwargs: dict[str, Any] = field(default_factory=dict)
+    patch_dropout: float = 0.0
 
 
 @dataclass
@@ -97,6 +103,7 @@ class CLIPConfig:
         embed_dim: Shared embedding width.
         init_logit_scale: Initial log temperature, ``log(1/0.07)`` as in CLIP.
         max_logit_scale: Clamp for ``exp(logit_scale)``, 100 as in CLIP.
+        init_logit_bias: Initial logit bias of the SigLIP loss (``None``: the model has no bias).
         proj_bias: Whether the projections have biases (CLIP's do not).
     """
 
@@ -105,6 +112,7 @@ class CLIPConfig:
     embed_dim: int = 512
     init_logit_scale: float = INIT_LOGIT_SCALE
     max_logit_scale: float = MAX_LOGIT_SCALE
+    init_logit_bias: float | None = None
     proj_bias: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -228,6 +236,10 @@ class CLIP(nn.Module):
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
         self.logit_scale = nn.Parameter(torch.full((1,), float(config.init_logit_scale)))
+        if config.init_logit_bias is not None:  # the SigLIP loss's learnable bias
+            self.logit_bias = nn.Parameter(torch.full((1,), float(config.init_logit_bias)))
+        else:
+            self.logit_bias = None
         self.max_log_logit_scale = math.log(config.max_logit_scale)
         keep_batchnorm_fp32(self)  # BatchNorm towers train and evaluate on every precision route
 
@@ -268,9 +280,13 @@ class CLIP(nn.Module):
         pixels: torch.Tensor,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns ``(image_features, text_features, logit_scale.exp())``."""
-        return self.encode_image(pixels), self.encode_text(input_ids, attention_mask), self.logit_scale.exp()
+    ) -> tuple[torch.Tensor, ...]:
+        """Returns ``(image_features, text_features, logit_scale.exp())``, and ``logit_bias`` after them when
+        the model has one (SigLIP): the loss takes them in this order. (The optimizer clamps ``logit_scale``
+        to ``[0, log(max_logit_scale)]``: :func:`recipe.optimizer.build_optimizer`.)"""
+        out = self.encode_image(pixels), self.encode_text(input_ids, attention_mask), self.logit_scale.exp()
+        # the bias as a computed tensor, not the leaf parameter: DeepSpeed hooks the forward's outputs
+        return out if self.logit_bias is None else (*out, self.logit_bias.clone())
 
     @torch.no_grad()
     def clamp_logit_scale_(self) -> None:
@@ -285,6 +301,71 @@ class CLIP(nn.Module):
         """Activation checkpointing on both towers (the transformers tower only in training mode)."""
         self.visual.set_grad_checkpointing(enable)
         self.text.set_grad_checkpointing(enable)
+
+    def image_layer_ids(self) -> tuple[dict[str, int], int]:
+        """Layer id of every image parameter (``visual.trunk.*`` and ``image_proj.*``) and the number of ids.
+
+        The ids are timm's fine parameter groups (``group_matcher(coarse=False)``, as OpenCLIP's
+        ``TimmModel.lock`` and timm's layer-wise decay use them) numbered from 0, with ``image_proj`` in
+        the last group. ViT: 0 = patch and position embeddings, class token, pre-norm; ``i + 1`` =
+        ``blocks.i``; the final norm with the last block. ConvNeXt: 0 = stem, then one id per block (a
+        stage's downsampling with its first block), then ``head.norm``. ResNet: the stem, then one id
+        per block. Parameters the matcher leaves out get the last id.
+
+        Raises:
+            ValueError: the timm model defines no layer groups (``group_matcher``).
+        """
+        from timm.models import group_parameters
+
+        trunk = self.visual.trunk
+        if not hasattr(trunk, "group_matcher"):
+            raise ValueError(f"timm model {self.visual.name!r} defines no layer groups (group_matcher)")
+        ids = group_parameters(trunk, trunk.group_matcher(coarse=False), reverse=True)
+        count = max(ids.values()) + 1
+        out = {f"visual.trunk.{name}": i for name, i in ids.items()}
+        out.update({f"image_proj.{name}": count - 1 for name, _ in self.image_proj.named_parameters()})
+        return out, count
+
+    def lock_image_tower(self, unlocked_groups: int = 0) -> None:
+        """Freezes the image tower (LiT): ``requires_grad=False``, hence no gradients and no optimizer
+        state, and its BatchNorm layers stay in evaluation mode (running statistics unchanged) whatever
+        :meth:`train` sets.
+
+        ``unlocked_groups`` leaves the last N layer groups of :meth:`image_layer_ids` trainable
+        (OpenCLIP's convention for timm towers): 0 freezes the whole tower and ``image_proj``; 1 trains
+        ``image_proj`` and the last group (a ViT's last block and final norm); 2 also the group before...
+        A BatchNorm layer is kept in evaluation mode when its parameters are all frozen.
+
+        Raises:
+            ValueError: ``unlocked_groups`` is negative or exceeds the number of groups, or (N > 0) the
+                tower has no layer groups.
+        """
+        image = [n for n, _ in self.named_parameters() if n.startswith(("visual.", "image_proj."))]
+        if unlocked_groups < 0:
+            raise ValueError(f"unlocked_groups must be >= 0, got {unlocked_groups}")
+        frozen = set(image)
+        if unlocked_groups:
+            ids, count = self.image_layer_ids()
+            if unlocked_groups > count:
+                raise ValueError(f"image tower {self.visual.name!r} has {count} layer groups; cannot leave "
+                                 f"{unlocked_groups} unlocked")
+            frozen = {n for n in image if ids[n] < count - unlocked_groups}
+        for name, p in self.named_parameters():
+            if name in frozen:
+                p.requires_grad_(False)
+        norms = []
+        for name, m in self.visual.trunk.named_modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                own = [f"visual.trunk.{name}.{k}" for k, _ in m.named_parameters(recurse=False)]
+                if all(k in frozen for k in own) and (own or not unlocked_groups):
+                    norms.append(name)
+        self.visual.frozen_norms = norms
+        self.visual.train(self.visual.training)
+
+    def lock_text_tower(self) -> None:
+        """Freezes the text tower and ``text_proj`` (no gradients, no optimizer state)."""
+        for p in (*self.text.parameters(), *self.text_proj.parameters()):
+            p.requires_grad_(False)
 
 
 def _vit_b_32() -> CLIPConfig:
@@ -354,6 +435,8 @@ def create_model(
     tokenizer: Any | None = None,
     init_logit_scale: float | None = None,
     max_logit_scale: float | None = None,
+    init_logit_bias: float | None = None,
+    patch_dropout: float | None = None,
 ) -> CLIP:
     """Builds a :class:`CLIP` model from a preset, a config, or encoder names.
 
@@ -381,6 +464,9 @@ def create_model(
             they are checked against it) and its context length is used when none is given.
         init_logit_scale: Initial ``logit_scale`` (log space).
         max_logit_scale: Clamp of ``exp(logit_scale)``.
+        init_logit_bias: Initial logit bias; gives the model a learnable ``logit_bias`` (SigLIP).
+        patch_dropout: Fraction of image patch tokens dropped in training (FLIP; timm ViT towers only,
+            ``ValueError`` for others); recorded in ``config.image.patch_dropout``.
 
     Returns:
         The model, with the resolved config in ``model.config``.
@@ -423,6 +509,10 @@ def create_model(
         cfg.init_logit_scale = float(init_logit_scale)
     if max_logit_scale is not None:
         cfg.max_logit_scale = float(max_logit_scale)
+    if init_logit_bias is not None:
+        cfg.init_logit_bias = float(init_logit_bias)
+    if patch_dropout is not None:
+        cfg.image.patch_dropout = float(patch_dropout)
 
     if tokenizer is not None:
         _apply_tokenizer(cfg, tokenizer)
@@ -438,6 +528,7 @@ def create_model(
         mean=cfg.image.mean,
         std=cfg.image.std,
         crop_pct=cfg.image.crop_pct,
+        patch_dropout=cfg.image.patch_dropout,
         **cfg.image.timm_kwargs,
     )
     text = create_text_tower(

@@ -1,5 +1,11 @@
 """The optimizer of a run: SRAdamW over the CLIP paper's parameter groups, and the learning-rate
-schedule (linear warmup, then cosine decay or constant)."""
+schedule (linear warmup, then cosine decay or constant).
+
+Per-tower rates and layer-wise decay (``--image-lr``, ``--text-lr``, ``--layer-decay``) are each group's
+``lr_scale`` (:mod:`recipe.param_groups`): the training loop sets ``lr = lr_at(step) * lr_scale``, so
+every group follows the one schedule, scaled (warmup, cosine and its floor ``--min-lr`` alike).
+:func:`describe_groups` names the groups and their scales for the run's log.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +19,13 @@ from .config import TrainConfig
 from .param_groups import param_groups
 from .precision import Precision
 
-__all__ = ["build_optimizer", "lr_at"]
+__all__ = ["build_optimizer", "lr_at", "tower_lr_scales", "describe_groups"]
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, prec: Precision) -> SRAdamW:
-    """SRAdamW over the CLIP paper's parameter groups.
+    """SRAdamW over the CLIP paper's parameter groups, each with its ``lr_scale`` (``--image-lr`` and
+    ``--text-lr`` over ``--lr``, ``--layer-decay``; see :mod:`recipe.param_groups`), which the training
+    loop multiplies the schedule by. Frozen parameters (``--lock-image``, ``--lock-text``) are in no group.
 
     The logit scale is clamped inside the optimizer (under ZeRO the optimizer owns the parameter's
     partition, so clamping the module would be lost). The optimizer keeps its gradient check: it is
@@ -26,6 +34,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, prec: Precision) -
     and the train step reads the outcome (:func:`recipe.step.train_step`).
     """
     m = cfg.model
+    image_scale, text_scale = tower_lr_scales(cfg)
     groups = param_groups(
         model,
         cfg.optim.weight_decay,
@@ -33,6 +42,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, prec: Precision) -
         image_master_weights=m.image_master_weights,
         text_state_dtype=torch.float32 if m.text_master_weights else prec.sr_state_dtype,
         image_state_dtype=torch.float32 if m.image_master_weights else prec.sr_state_dtype,
+        image_lr_scale=image_scale,
+        text_lr_scale=text_scale,
+        layer_decay=cfg.optim.layer_decay,
     )
     for g in groups:
         if g["name"] == "logit_scale":
@@ -42,6 +54,39 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, prec: Precision) -
     return SRAdamW(
         groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, seed=o.sr_seed
     )
+
+
+def tower_lr_scales(cfg: TrainConfig) -> tuple[float, float]:
+    """``(image, text)`` multipliers of the schedule: ``--image-lr`` and ``--text-lr`` over ``--lr`` (1
+    when unset).
+
+    Raises:
+        ValueError: a nonzero tower rate with ``--lr 0`` (no schedule to scale).
+    """
+    o = cfg.optim
+    scales = []
+    for flag, value in (("--image-lr", o.image_lr), ("--text-lr", o.text_lr)):
+        if value is None or value == o.lr:
+            scales.append(1.0)
+        elif o.lr == 0:
+            raise ValueError(f"{flag} {value} needs a nonzero --lr: tower rates scale the --lr schedule")
+        else:
+            scales.append(value / o.lr)
+    return scales[0], scales[1]
+
+
+def describe_groups(optimizer: torch.optim.Optimizer, counts: dict[str, int] | None = None) -> str:
+    """One line naming each optimizer group with its parameter count, lr scale and weight decay, e.g.
+    ``optimizer groups (...): image.layer0.decay 1,234 x0.25 wd 0.2, ...``.
+
+    ``counts`` (group name -> model parameters, as :func:`recipe.engine.build_engine` returns them) replaces
+    counting the groups' tensors, which ZeRO has replaced by flat partitions (ZeRO-3 empties them).
+    """
+    parts = []
+    for g in optimizer.param_groups:
+        n = counts[g["name"]] if counts is not None else sum(p.numel() for p in g["params"])
+        parts.append(f"{g['name']} {n:,} x{g.get('lr_scale', 1.0):.4g} wd {g['weight_decay']:g}")
+    return "optimizer groups (name, parameters, lr scale, weight decay): " + ", ".join(parts)
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:

@@ -18,8 +18,19 @@ Precision: the text tower is marked ``master_weights=False`` (half-precision wei
 stochastic rounding), the image tower ``master_weights=True`` (an fp32 master copy), the logit scale
 ``master_weights=True``. All of this is configurable. The groups carry the keys
 ``optim.SRAdamW`` reads (``weight_decay``, ``master_weights``, optionally ``lr`` and
-``state_dtype``) plus a ``name``; torch optimizers keep unknown keys, so the groups also work with
-``torch.optim.AdamW``.
+``state_dtype``) plus a ``name`` and an ``lr_scale``; torch optimizers keep unknown keys, so the
+groups also work with ``torch.optim.AdamW``.
+
+Learning rates: ``lr_scale`` is the group's multiplier of the schedule's learning rate (the training
+loop sets ``lr = lr_at(step) * lr_scale``): the tower's scale (``image_lr_scale``, ``text_lr_scale``;
+``--image-lr``/``--text-lr`` over ``--lr``) times, with ``layer_decay`` d, the layer-wise decay of the
+image tower: its parameters are split by layer id ``l`` of ``L`` (:meth:`recipe.model.CLIP.image_layer_ids`,
+timm's fine layer groups: 0 = a ViT's patch/position embeddings and class token, ``i + 1`` = block
+``i``, the last block with the final norm and ``image_proj``) into groups ``image.layer<l>.decay`` /
+``image.layer<l>.no_decay`` with scale ``d ** (L - 1 - l)``: the last group (last block, head and
+projection) learns at the tower's rate, each group before it ``d`` times slower (timm's, BEiT's
+convention). A ViT with 2 blocks and d = 0.5: block 1 (+ norm, projection) x1, block 0 x0.5, the
+embeddings x0.25.
 """
 
 from __future__ import annotations
@@ -40,13 +51,13 @@ _TOWER_PREFIXES = {
 
 
 def tower_of(name: str) -> str:
-    """``"image"``, ``"text"`` or ``"logit_scale"`` for a :class:`recipe.model.CLIP` parameter name.
+    """``"image"``, ``"text"``, ``"logit_scale"`` or ``"logit_bias"`` for a :class:`recipe.model.CLIP` parameter name.
 
     Raises:
         ValueError: a parameter outside the known parts (so none is silently dropped).
     """
-    if name == "logit_scale":
-        return "logit_scale"
+    if name in ("logit_scale", "logit_bias"):  # the loss's temperature, SigLIP's bias: a group each
+        return name
     for prefix, tower in _TOWER_PREFIXES.items():
         if name.startswith(prefix):
             return tower
@@ -100,17 +111,21 @@ def param_groups(
     logit_scale_lr: float | None = None,
     text_state_dtype: torch.dtype | None = None,
     image_state_dtype: torch.dtype | None = None,
+    image_lr_scale: float = 1.0,
+    text_lr_scale: float = 1.0,
+    layer_decay: float | None = None,
 ) -> list[dict[str, Any]]:
     """Splits a :class:`recipe.model.CLIP` model's trainable parameters into optimizer groups.
 
-    Groups (empty ones are left out), each with ``name``, ``params``, ``weight_decay`` and
-    ``master_weights``, and ``lr`` / ``state_dtype`` when given:
+    Groups (empty ones are left out), each with ``name``, ``params``, ``weight_decay``,
+    ``master_weights`` and ``lr_scale``, and ``lr`` / ``state_dtype`` when given:
 
-    * ``image.decay`` / ``image.no_decay``: image tower and ``image_proj``,
+    * ``image.decay`` / ``image.no_decay``: image tower and ``image_proj`` (with ``layer_decay``:
+      ``image.layer<l>.decay`` / ``image.layer<l>.no_decay`` for each layer id ``l``, in order),
     * ``text.decay`` / ``text.no_decay``: text tower and ``text_proj``,
-    * ``logit_scale``: never decayed.
+    * ``logit_scale``: never decayed (the logit scale, and SigLIP's logit bias).
 
-    Parameters with ``requires_grad=False`` are left out.
+    Parameters with ``requires_grad=False`` (a locked tower) are left out: no optimizer state.
 
     Args:
         model: The CLIP model.
@@ -125,18 +140,33 @@ def param_groups(
         logit_scale_lr: Learning rate of the logit-scale group.
         text_state_dtype: Optimizer state dtype of the text groups (``state_dtype`` key).
         image_state_dtype: Optimizer state dtype of the image groups.
+        image_lr_scale: ``lr_scale`` of the image groups (before layer decay).
+        text_lr_scale: ``lr_scale`` of the text groups.
+        layer_decay: Layer-wise decay of the image tower's ``lr_scale`` (see the module), ``None``
+            for none (one pair of image groups).
 
     Returns:
         The list of group dicts, each trainable parameter in exactly one.
 
     Raises:
-        ValueError: a parameter outside the image tower, text tower, projections and logit scale.
+        ValueError: a parameter outside the image tower, text tower, projections and logit scale; a
+            ``layer_decay`` outside ``(0, 1]`` or for an image tower without layer groups.
     """
     settings = {
         "image": dict(master_weights=image_master_weights, lr=image_lr, state_dtype=image_state_dtype),
         "text": dict(master_weights=text_master_weights, lr=text_lr, state_dtype=text_state_dtype),
         "logit_scale": dict(master_weights=logit_scale_master_weights, lr=logit_scale_lr, state_dtype=None),
     }
+    settings["logit_bias"] = settings["logit_scale"]  # its own group: the optimizer clamps the scale's only
+    scales = {"image": float(image_lr_scale), "text": float(text_lr_scale), "logit_scale": 1.0, "logit_bias": 1.0}
+    image_keys = ["image.decay", "image.no_decay"]
+    layer_of: dict[str, int] = {}
+    if layer_decay is not None:
+        if not 0.0 < layer_decay <= 1.0:
+            raise ValueError(f"layer_decay must be in (0, 1], got {layer_decay}")
+        layer_of, count = model.image_layer_ids()  # type: ignore[operator]
+        image_keys = [f"image.layer{i}.{kind}" for i in range(count) for kind in ("decay", "no_decay")]
+        scales.update({f"image.layer{i}": image_lr_scale * layer_decay ** (count - 1 - i) for i in range(count)})
     buckets: dict[str, list[torch.Tensor]] = {}
     seen: set[int] = set()
     for module_name, module in model.named_modules():
@@ -146,16 +176,17 @@ def param_groups(
             seen.add(id(param))
             full_name = f"{module_name}.{local_name}" if module_name else local_name
             tower = tower_of(full_name)
-            if tower == "logit_scale":
-                key = "logit_scale"
+            part = f"image.layer{layer_of[full_name]}" if tower == "image" and layer_of else tower
+            if tower in ("logit_scale", "logit_bias"):
+                key = tower
             elif is_no_decay(module, local_name, param, decay_embeddings):
-                key = f"{tower}.no_decay"
+                key = f"{part}.no_decay"
             else:
-                key = f"{tower}.decay"
+                key = f"{part}.decay"
             buckets.setdefault(key, []).append(param)
 
     groups = []
-    for key in ("image.decay", "image.no_decay", "text.decay", "text.no_decay", "logit_scale"):
+    for key in (*image_keys, "text.decay", "text.no_decay", "logit_scale", "logit_bias"):
         if key not in buckets:
             continue
         tower = key.split(".")[0]
@@ -164,6 +195,7 @@ def param_groups(
             "params": buckets[key],
             "weight_decay": float(weight_decay) if key.endswith(".decay") else 0.0,
             "master_weights": bool(settings[tower]["master_weights"]),
+            "lr_scale": float(scales[key.rpartition(".")[0] if "." in key else key]),
         }
         if settings[tower]["lr"] is not None:
             group["lr"] = float(settings[tower]["lr"])

@@ -16,8 +16,8 @@ ranks. Which pairs a pair is contrasted with is the *contrastive batch* (``--con
        state it started from;
     2. the sharded loss over all cached embeddings (gathered across ranks as usual, any loss mode)
        and, by one backward pass through the loss alone, its gradient with respect to every cached
-       embedding and to the logit scale (times the fp16 route's loss scale, so that small embedding
-       gradients do not underflow);
+       embedding and to the logit scale (and SigLIP's logit bias), times the fp16 route's loss scale, so
+       that small embedding gradients do not underflow;
     3. forward each micro-batch again from the same random-number state, so that dropout,
        stochastic depth and patch dropout draw the same masks, and back-propagate its slice of the
        embedding gradients through ``engine.backward``; DeepSpeed's accumulation boundary comes
@@ -97,13 +97,13 @@ def micro_passes(
     device = next(engine.module.parameters()).device
     losses, metrics, samples = [], [], 0
     for i, batch in enumerate(batches):
-        image, text, scale = engine(*_inputs(batch, device, prec))
-        loss, m = loss_fn(image, text, scale, sizes=[image.shape[0]] * world)
+        image, text, *logit = engine(*_inputs(batch, device, prec))  # logit: scale (and SigLIP's bias)
+        loss, m = loss_fn(image, text, *logit, sizes=[image.shape[0]] * world)
         engine.backward(loss * prec.loss_scaler.scale if prec.loss_scaler else loss)
         losses.append(loss.detach())
         metrics.append(m)
         samples += image.shape[0] * world
-        del image, text, scale, loss
+        del image, text, logit, loss
         if i < len(batches) - 1:
             engine.step()  # DeepSpeed counts micro-steps: the update happens at the accumulation boundary
     return Passes(losses, metrics, samples, samples // len(batches))
@@ -120,34 +120,35 @@ def global_passes(
     with torch.no_grad():
         for batch in batches:
             starts.append(_rng_state(device))
-            image, text, scale = engine(*_inputs(batch, device, prec))
+            image, text, *logit = engine(*_inputs(batch, device, prec))  # logit: scale (and SigLIP's bias)
             images.append(image)
             texts.append(text)
     end = _rng_state(device)
     sizes = [t.shape[0] for t in images]
     image = torch.cat(images).requires_grad_()
     text = torch.cat(texts).requires_grad_()
-    scale = scale.detach().requires_grad_()
+    logit = [t.detach().requires_grad_() for t in logit]  # the same in every micro-batch's forward
     del images, texts
-    # 2. the loss over the whole cache and its gradient with respect to the cache and the scale
-    loss, metrics = loss_fn(image, text, scale, sizes=[image.shape[0]] * world)
+    # 2. the loss over the whole cache and its gradient with respect to the cache and the logit parameters
+    loss, metrics = loss_fn(image, text, *logit, sizes=[image.shape[0]] * world)
     (loss * prec.loss_scaler.scale if prec.loss_scaler else loss).backward()
-    grads = (image.grad.split(sizes), text.grad.split(sizes), scale.grad)
+    grads = (image.grad.split(sizes), text.grad.split(sizes), [t.grad for t in logit])
     loss = loss.detach()
-    del image, text, scale
+    del image, text, logit
     # 3. the same forwards again, each back-propagating its slice of the cache's gradient
     try:
         with batchnorm_stats_frozen(module):
             for i, batch in enumerate(batches):
                 _set_rng_state(starts[i], device)
-                image, text, scale = engine(*_inputs(batch, device, prec))
+                image, text, *logit = engine(*_inputs(batch, device, prec))
                 # a scalar whose gradient with respect to the embeddings is the cached gradient (DeepSpeed's
-                # backward takes a scalar); the logit scale's gradient enters once, with the first slice
+                # backward takes a scalar); the logit parameters' gradients enter once, with the first slice
                 surrogate = (image.float() * grads[0][i].float()).sum() + (text.float() * grads[1][i].float()).sum()
                 if i == 0:
-                    surrogate = surrogate + (scale.float() * grads[2].float()).sum()
+                    for t, g in zip(logit, grads[2]):
+                        surrogate = surrogate + (t.float() * g.float()).sum()
                 engine.backward(surrogate, scale_wrt_gas=False)  # the gradients are already the step's total
-                del image, text, scale, surrogate
+                del image, text, logit, surrogate
                 if i < len(batches) - 1:
                     engine.step()  # DeepSpeed counts micro-steps: the update happens at the accumulation boundary
     finally:

@@ -17,6 +17,7 @@ exits with code 143 (:mod:`recipe.preempt`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -33,6 +34,7 @@ from .checkpoint import CheckpointError
 from .config import TrainConfig, parse_args
 from .data import build_train_loader, read_captions
 from .distributed import barrier, broadcast_from_rank0, mean_over_ranks, rank_world
+from .ema import ModelEMA, build_ema
 from .engine import build_engine, eval_module, init_distributed
 from .evaluate import evaluate_data
 from .loss import ClipLoss
@@ -40,7 +42,7 @@ from .memory import live_bytes_per_param
 from .metrics import MetricsLogger, peak_memory_bytes
 from .export import Imported, read_pretrained
 from .model import CLIPConfig, check_tokenizer_fits, create_model
-from .optimizer import lr_at
+from .optimizer import describe_groups, lr_at
 from .precision import ConfigError, Precision, read_ds_config, resolve_precision
 from .preempt import PREEMPTED_EXIT_CODE, StopRequest
 from .quiet import quiet_libraries
@@ -87,36 +89,42 @@ def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     loader = build_train_loader(cfg.data, tokenizer, model.image_data_config(), micro, rank, world, cfg.seed)
     total = cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * len(loader) / accum))
-    state = restore(engine, run_dir, cfg.resume, loader, prec) if cfg.resume else TrainState()
+    ema = build_ema(engine, cfg)  # --ema-decay: the average starts from the weights before the first step
+    state = restore(engine, run_dir, cfg.resume, loader, prec, ema) if cfg.resume else TrainState()
     if state.step >= total:
         say(f"run {run_dir} has already reached step {state.step} of {total}: nothing to do "
             f"(give --steps larger than {state.step} to continue it)")
         loader.close()
         return {"finished": True, "steps": state.step, "run_dir": str(run_dir)}
-    loss_fn = ClipLoss(mode=cfg.loss_mode, chunk_size=cfg.chunk_size, validate=False)
+    loss_fn = build_loss(cfg)
     log = MetricsLogger(run_dir, total, rank == 0, state.step)
     log.write(
         f"{prec.label}, {world} ranks x micro-batch {micro} x accumulation {accum}, contrastive batch "
         f"{contrastive_batch_size(cfg.contrastive_batch, micro, accum, world)} ({cfg.contrastive_batch}), "
         f"{total} steps, run dir {run_dir}"
     )
+    log.write(describe_groups(opt, group_params))
     batches, t0, start_samples = _forever(loader), time.perf_counter(), state.samples
     result: StepResult | None = None
     while state.step < total:
         for g in opt.param_groups:
-            g["lr"] = lr_at(state.step, cfg, total)
+            g["lr"] = lr_at(state.step, cfg, total) * g.get("lr_scale", 1.0)  # per tower / layer (param_groups)
         micro_batches = [next(batches) for _ in range(accum)]
         result = train_step(engine, opt, loss_fn, prec, micro_batches, state, cfg.max_nonfinite_in_row,
                             stop_requested=stop.requested, contrastive_batch=cfg.contrastive_batch)
+        if ema is not None:
+            ema.update(skipped=result.skipped)  # a skipped step leaves the EMA untouched
         log.advance()
         samples_per_s = (state.samples - start_samples) / max(time.perf_counter() - t0, 1e-9)
         if state.step % cfg.log_every == 0 or state.step == total:
             metrics = train_metrics(engine, opt, result, state, prec, loader, samples_per_s)
+            # the schedule's base rate (groups scale it per tower and layer; --image-lr, --layer-decay...)
+            metrics["lr"] = lr_at(state.step - 1, cfg, total)
             log.log(state.step, {**metrics, "contrastive_batch": cfg.contrastive_batch})
         if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < total and not result.stop:
-            log.log(state.step, run_eval(engine, cfg, tokenizer), kind="eval")
+            log.log(state.step, run_eval(engine, cfg, tokenizer, ema), kind="eval")
         if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == total or result.stop:
-            tag_dir = save(engine, run_dir, state, loader, prec)
+            tag_dir = save(engine, run_dir, state, loader, prec, ema)
         if result.stop:
             log.write(f"stopped by SIGTERM at step {state.step}: checkpoint {tag_dir} saved; "
                       "continue with --resume latest")
@@ -128,7 +136,9 @@ def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
         "samples_per_s": (state.samples - start_samples) / max(time.perf_counter() - t0, 1e-9),
     }
     final["final_loss"] = mean_over_ranks(result.loss) if result is not None else float("nan")
-    final.update(run_eval(engine, cfg, tokenizer))
+    final.update(run_eval(engine, cfg, tokenizer, ema))
+    if ema is not None:
+        final["ema"] = ema.summary()
     final.update(
         skipped_samples=loader.global_stats(),
         nonfinite_steps=state.nonfinite_steps,
@@ -208,10 +218,21 @@ def get_tokenizer(cfg: TrainConfig, run_dir: Path, imported: Imported | None = N
     return load_tokenizer(saved, context_length=d.context_length)
 
 
+def logit_init(cfg: TrainConfig) -> dict[str, float]:
+    """``create_model``'s logit keywords for ``--loss``: CLIP's 1/0.07 multiplier (the preset's) unless
+    ``--init-logit-scale``; SigLIP's multiplier 10 and bias -10 (SigLIP paper) unless set. Log space."""
+    m = cfg.model
+    out = {"init_logit_scale": math.log(m.init_logit_scale)} if m.init_logit_scale else {}
+    if cfg.loss == "siglip":
+        out = {"init_logit_scale": math.log(m.init_logit_scale or 10.0),
+               "init_logit_bias": -10.0 if m.init_logit_bias is None else m.init_logit_bias}
+    return out
+
+
 def build_model(cfg: TrainConfig, tokenizer: Any, run_dir: Path, imported: Imported | None = None) -> torch.nn.Module:
     """The CLIP model of ``cfg`` (same initialisation on every rank), or of ``--init-from`` with its
     weights (a restart rebuilds that architecture from the run's ``model_config.json``); rank 0 saves
-    its config."""
+    its config (``--patch-dropout`` included). ``--lock-image``/``--lock-text`` freeze towers here."""
     m = cfg.model
     if m.init_from:
         # the architecture as the init directory (or, resuming, the run's model_config.json) has it: the
@@ -220,19 +241,30 @@ def build_model(cfg: TrainConfig, tokenizer: Any, run_dir: Path, imported: Impor
         if imported is None and not saved.is_file():
             raise FileNotFoundError(f"{saved} is missing: cannot rebuild the --init-from model")
         config = imported.config if imported else CLIPConfig.from_dict(json.loads(saved.read_text()))
-        model = create_model(config=config, text_load_weights=False)
+        if config.init_logit_bias is not None and cfg.loss != "siglip":
+            raise ValueError("the --init-from model has a SigLIP logit bias: train it with --loss siglip")
+        adds_bias = cfg.loss == "siglip" and config.init_logit_bias is None  # a CLIP model trained with SigLIP
+        if adds_bias:
+            config = dataclasses.replace(config, init_logit_bias=logit_init(cfg)["init_logit_bias"])
+        model = create_model(config=config, text_load_weights=False, patch_dropout=m.patch_dropout)
         check_tokenizer_fits(model.text, tokenizer)
         if imported is not None:
-            model.load_state_dict(imported.state_dict)
+            missing, unexpected = model.load_state_dict(imported.state_dict, strict=False)
+            if unexpected or set(missing) - ({"logit_bias"} if adds_bias else set()):
+                raise ValueError(f"--init-from weights do not fit: missing {missing}, unexpected {unexpected}")
     else:
         model = create_model(m.preset, image_encoder=m.image_encoder, text_encoder=m.text_encoder,
                              embed_dim=m.embed_dim, image_size=m.image_size, image_weights=m.image_weights,
-                             tokenizer=tokenizer)
+                             tokenizer=tokenizer, patch_dropout=m.patch_dropout, **logit_init(cfg))
     if rank_world()[0] == 0:
         checkpoint.atomic_write_bytes(
             run_dir / "model_config.json", json.dumps(model.config.to_dict(), indent=2).encode()
         )
     model.set_grad_checkpointing(m.grad_checkpointing)
+    if m.lock_image:  # LiT: frozen (no gradients, no optimizer state), BatchNorm statistics kept
+        model.lock_image_tower(m.lock_image_unlocked_groups)
+    if m.lock_text:
+        model.lock_text_tower()
     return model
 
 
@@ -241,14 +273,18 @@ def build_model(cfg: TrainConfig, tokenizer: Any, run_dir: Path, imported: Impor
 # --------------------------------------------------------------------------------------------------
 
 
-def save(engine: Any, run_dir: Path, state: TrainState, loader: Any, prec: Precision) -> Path:
+def save(engine: Any, run_dir: Path, state: TrainState, loader: Any, prec: Precision,
+         ema: ModelEMA | None = None) -> Path:
     client = {"state": state.__dict__.copy(), "data": loader.state_dict(), "rng": checkpoint.rng_state()}
     if prec.loss_scaler is not None:
         client["loss_scaler"] = prec.loss_scaler.state_dict()
-    return checkpoint.save(engine, run_dir / "checkpoints", state.step, client)
+    if ema is not None:
+        client["ema"] = ema.client_state()
+    return checkpoint.save(engine, run_dir / "checkpoints", state.step, client, ema)
 
 
-def restore(engine: Any, run_dir: Path, resume: str, loader: Any, prec: Precision) -> TrainState:
+def restore(engine: Any, run_dir: Path, resume: str, loader: Any, prec: Precision,
+            ema: ModelEMA | None = None) -> TrainState:
     tag_dir = checkpoint.resolve(resume, run_dir / "checkpoints")
     client = checkpoint.load(engine, tag_dir)
     loader.load_state_dict(client["data"])
@@ -257,17 +293,35 @@ def restore(engine: Any, run_dir: Path, resume: str, loader: Any, prec: Precisio
         prec.loss_scaler.load_state_dict(client["loss_scaler"])
     state = TrainState(**client["state"])
     say(f"resumed from step {state.step} (checkpoint {tag_dir})")
+    if ema is not None and not ema.restore(tag_dir, client.get("ema")):
+        say(f"checkpoint {tag_dir} has no EMA: the average restarts from its weights")
     return state
 
 
-def run_eval(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, float]:
+def build_loss(cfg: TrainConfig) -> torch.nn.Module:
+    """The sharded loss ``--loss`` names, in ``--loss-mode``: :class:`recipe.loss.ClipLoss` or
+    :class:`recipe.loss.SigLipLoss` (which also takes the model's logit bias)."""
+    if cfg.loss == "siglip":
+        from .loss import SigLipLoss
+
+        return SigLipLoss(mode=cfg.loss_mode, chunk_size=cfg.chunk_size, validate=False)
+    return ClipLoss(mode=cfg.loss_mode, chunk_size=cfg.chunk_size, validate=False)
+
+
+def run_eval(engine: Any, cfg: TrainConfig, tokenizer: Any, ema: ModelEMA | None = None) -> dict[str, float]:
     """Retrieval and zero-shot metrics on the validation data, and zero-shot classification of
-    ``--zeroshot-data`` (e.g. ``--zeroshot imagenet``: ``imagenet_top1``...); every rank embeds its share."""
+    ``--zeroshot-data`` (e.g. ``--zeroshot imagenet``: ``imagenet_top1``...); every rank embeds its share.
+    With ``--ema-decay`` the EMA weights are evaluated too, their metrics prefixed ``ema_``."""
     if not (cfg.data.val_data or cfg.data.zeroshot_data):
         return {}
     rank, world = rank_world()
     model = eval_module(engine, tokenizer)
-    return evaluate_data(model, cfg.data, tokenizer, cfg.eval_batch_size, rank, world)
+    metrics = evaluate_data(model, cfg.data, tokenizer, cfg.eval_batch_size, rank, world)
+    if ema is not None:
+        with ema.eval_module(tokenizer) as averaged:
+            found = evaluate_data(averaged, cfg.data, tokenizer, cfg.eval_batch_size, rank, world)
+        metrics.update({f"ema_{k}": v for k, v in found.items()})
+    return metrics
 
 
 def train_metrics(
@@ -280,6 +334,8 @@ def train_metrics(
         **{k: mean_over_ranks(v) for k, v in result.metrics.items()},
         "lr": opt.param_groups[0]["lr"],
         "logit_scale": float(engine.module.logit_scale.detach().float().exp()),
+        **({"logit_bias": float(engine.module.logit_bias.detach().float())}
+           if getattr(engine.module, "logit_bias", None) is not None else {}),
         "samples_per_s": samples_per_s,
         "contrastive_batch_size": result.contrastive_batch,
         "grad_norm": float(gn) if gn is not None else float("nan"),

@@ -50,6 +50,7 @@ class LoadedRun:
         tag_dir: The checkpoint directory the weights came from.
         step: The checkpoint's optimizer step.
         saved_dtype: The dtype the weights were saved in (the run's training dtype).
+        weights_file: The file the weights came from (``model_weights.pt`` or ``ema_weights.pt``).
     """
 
     model: CLIP
@@ -59,11 +60,13 @@ class LoadedRun:
     tag_dir: Path
     step: int
     saved_dtype: torch.dtype
+    weights_file: str = checkpoint.MODEL_WEIGHTS
 
 
-def load_run(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedRun:
+def load_run(path: str | os.PathLike, dtype: torch.dtype = torch.float32, ema: bool = False) -> LoadedRun:
     """Loads the model of a run directory (its ``latest`` complete checkpoint), of its
-    ``checkpoints/`` directory, or of one checkpoint tag directory, cast to ``dtype``.
+    ``checkpoints/`` directory, or of one checkpoint tag directory, cast to ``dtype``; with ``ema``
+    the checkpoint's EMA weights (``ema_weights.pt``, runs with ``--ema-decay``) instead.
 
     Raises:
         FileNotFoundError: The directory, its ``model_config.json`` or tokenizer is missing.
@@ -79,10 +82,13 @@ def load_run(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Loa
             raise FileNotFoundError(f"{run_dir} is not a recipe run directory: {needed} is missing")
     config = CLIPConfig.from_dict(json.loads((run_dir / "model_config.json").read_text()))
     tokenizer = load_tokenizer(run_dir / "tokenizer")
+    weights = tag_dir / (checkpoint.EMA_WEIGHTS if ema else checkpoint.MODEL_WEIGHTS)
+    if ema and not weights.is_file():
+        raise checkpoint.CheckpointError(f"{weights} not found: the run has no EMA (train with --ema-decay)")
     try:
-        state: dict[str, Any] = torch.load(tag_dir / checkpoint.MODEL_WEIGHTS, map_location="cpu", weights_only=True)
+        state: dict[str, Any] = torch.load(weights, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated or foreign file
-        raise checkpoint.CheckpointError(f"cannot read {tag_dir / checkpoint.MODEL_WEIGHTS}: {e}") from e
+        raise checkpoint.CheckpointError(f"cannot read {weights}: {e}") from e
     # the architecture as trained, randomly initialised, then the saved weights (not a text tower's
     # original pretrained files: those need not exist where the run is exported)
     model = create_model(config=config, tokenizer=tokenizer, text_load_weights=False)
@@ -90,9 +96,9 @@ def load_run(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Loa
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise checkpoint.CheckpointError(
-            f"{tag_dir / checkpoint.MODEL_WEIGHTS} does not fit the run's model: missing {sorted(missing)[:5]}, "
+            f"{weights} does not fit the run's model: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}"
         )
     step = int(json.loads((tag_dir / checkpoint.COMPLETE).read_text())["step"])
     saved = next(iter(state.values())).dtype if state else dtype
-    return LoadedRun(model.eval(), tokenizer, model.config, run_dir, tag_dir, step, saved)
+    return LoadedRun(model.eval(), tokenizer, model.config, run_dir, tag_dir, step, saved, weights.name)

@@ -75,6 +75,9 @@ CASES = {
     "zero3-fp32": ("zero2_fp32.json", 3, {}, 1e-5, 1e-5),
     "zero2-fp32-checkpointing": ("zero2_fp32.json", None, {"model": {"preset": "tiny", "grad_checkpointing": True}},
                                  1e-5, 1e-5),
+    # SigLIP: the cache carries the logit bias's gradient as well as the scale's
+    "siglip-zero2-fp32": ("zero2_fp32.json", None, {"loss": "siglip", "loss_mode": "chunked", "chunk_size": 8},
+                          1e-5, 1e-5),
     # fp16 weights and activations: equal to fp16 rounding (the micro-batch size changes the sums)
     "fp16-route": ("zero0_fp16_sr_lossscale.json", None, {}, 2e-3, 2e-3),
 }
@@ -105,12 +108,17 @@ def test_global_contrastive_batch_trains_as_one_big_batch(world: int, data: Path
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "zero2-fp32"])
 def test_global_contrastive_batch_equivalence_holds_across_modes(case: str, data: Path, tmp_path: Path) -> None:
-    """ZeRO-1 and 3, gradient checkpointing, and the fp16 route (to fp16 tolerance), at world size 2."""
+    """ZeRO-1 and 3, gradient checkpointing, SigLIP, and the fp16 route (to fp16 tolerance), at world size 2."""
     name, stage, extra, loss_rtol, weight_atol = CASES[case]
     big = _cfg(data, tmp_path / "big", _ds(tmp_path, name, M * K, 1, stage), "global", **extra)
     glob = _cfg(data, tmp_path / "global", _ds(tmp_path, name, M, K, stage), "global", **extra)
     _train(2, [big, glob])
     _assert_same_training(tmp_path / "big", tmp_path / "global", loss_rtol, weight_atol)
+    if case.startswith("siglip"):  # the bias starts at -10, is learned and logged; the scale starts at 10
+        rows = _rows(tmp_path / "global")
+        assert rows[1]["logit_scale"] == pytest.approx(10.0, rel=1e-2)
+        assert all(-10.1 < r["logit_bias"] < -9.0 for r in rows.values())
+        assert rows[STEPS]["logit_bias"] != rows[1]["logit_bias"]
 
 
 def test_resume_with_accumulation_continues_bit_identically(data: Path, tmp_path: Path) -> None:

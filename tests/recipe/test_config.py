@@ -80,7 +80,11 @@ def test_data_options_reach_the_one_data_config() -> None:
 
 def test_prefixes_of_flags_are_not_taken_for_the_flag() -> None:
     with pytest.raises(SystemExit):
-        parse_args(["--deepspeed_config", DS, "--loss", "chunked"])  # not --loss-mode
+        parse_args(["--deepspeed_config", DS, "--loss-m", "chunked"])  # not --loss-mode
+    # --loss is a flag of its own (clip or siglip), never a prefix of --loss-mode
+    assert parse_args(["--deepspeed_config", DS, "--loss", "siglip"]).loss_mode == "plain"
+    with pytest.raises(ValueError, match="loss must be one of clip, siglip, got 'chunked'"):
+        parse_args(["--deepspeed_config", DS, "--loss", "chunked"])
     with pytest.raises(SystemExit):
         parse_args(["--deepspeed_config", DS, "--warmup", "3"])  # not --warmup-steps
 

@@ -154,3 +154,80 @@ def test_sradamw_keeps_master_copies_per_group():
     names = {g["name"]: g["master_weights"] for g in opt.param_groups}
     assert names == {"image.decay": True, "image.no_decay": True, "text.decay": False,
                      "text.no_decay": False, "logit_scale": True}
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-tower rates and layer-wise decay: lr_scale per group
+# ---------------------------------------------------------------------------------------------
+
+VIT_LAYERS = {  # the tiny ViT (2 blocks): embeddings 0, block i: i + 1, the final norm and projection with block 1
+    0: ("visual.trunk.cls_token", "visual.trunk.pos_embed", "visual.trunk.patch_embed."),
+    1: ("visual.trunk.blocks.0.",),
+    2: ("visual.trunk.blocks.1.", "visual.trunk.norm.", "image_proj."),
+}
+
+
+def test_layer_decay_groups_and_scales():
+    model = create_model("tiny")
+    groups = param_groups(model, 0.1, layer_decay=0.5, image_lr_scale=2.0, text_lr_scale=0.25)
+    names = [g["name"] for g in groups]
+    assert names == [f"image.layer{i}.{k}" for i in range(3) for k in ("decay", "no_decay")] + [
+        "text.decay", "text.no_decay", "logit_scale"]
+    scales = {g["name"].rpartition(".")[0] if "." in g["name"] else g["name"]: g["lr_scale"] for g in groups}
+    # the last layer at the tower's rate, each one before it x0.5: 2 x (0.25, 0.5, 1)
+    assert scales == {"image.layer0": 0.5, "image.layer1": 1.0, "image.layer2": 2.0, "text": 0.25, "logit_scale": 1.0}
+    for layer, prefixes in VIT_LAYERS.items():
+        members = _names(model, groups[2 * layer]) | _names(model, groups[2 * layer + 1])
+        assert members == {n for n, _ in model.named_parameters() if n.startswith(prefixes)}, layer
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())
+    # the decay rule is unchanged by the split
+    plain = param_groups(model, 0.1)
+    decayed = set().union(*(_names(model, g) for g in groups if g["name"].endswith(".decay")))
+    assert decayed == set().union(*(_names(model, g) for g in plain if g["name"].endswith(".decay")))
+    assert all(g["lr_scale"] == 1.0 for g in plain)
+
+    convnext = create_model("tiny-convnext")  # stem, four one-block stages, head norm (+ image_proj)
+    scales = {g["name"]: g["lr_scale"] for g in param_groups(convnext, 0.1, layer_decay=0.8)}
+    assert {k: v for k, v in scales.items() if k.endswith(".decay") and k.startswith("image")} == {
+        f"image.layer{i}.decay": pytest.approx(0.8 ** (5 - i), rel=1e-12) for i in range(6)}
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="layer_decay"):
+            param_groups(model, 0.1, layer_decay=bad)
+
+
+def test_build_optimizer_rates_move_parameters_by_their_scale():
+    """Adam's first step moves every element by lr (the update is g / |g|): the rates are read off the step."""
+    from recipe.config import TrainConfig
+    from recipe.optimizer import build_optimizer, describe_groups, tower_lr_scales
+    from recipe.precision import Precision
+
+    torch.manual_seed(0)
+    model = create_model("tiny")
+    cfg = TrainConfig()
+    cfg.optim.lr, cfg.optim.image_lr, cfg.optim.text_lr, cfg.optim.layer_decay = 1e-3, 2e-3, 5e-4, 0.5
+    cfg.optim.weight_decay = 0.0
+    opt = build_optimizer(model, cfg, Precision("fp32", 0, torch.float32, torch.float32, False))
+    expected = {"image.layer0": 0.5, "image.layer1": 1.0, "image.layer2": 2.0, "text": 0.5, "logit_scale": 1.0}
+    by_param = {}
+    for g in opt.param_groups:
+        part = g["name"].rpartition(".")[0] if g["name"] != "logit_scale" else "logit_scale"
+        assert g["lr_scale"] == expected[part], g["name"]
+        g["lr"] = cfg.optim.lr * g["lr_scale"]  # as the training loop sets it
+        by_param.update({id(p): g["lr"] for p in g["params"]})
+    assert "image.layer0.decay 13,440 x0.5 wd 0, " in describe_groups(opt)  # cls token, positions, patch kernel
+    assert "logit_scale 7 x1" in describe_groups(opt, {g["name"]: 7 for g in opt.param_groups})
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.randn_like(p).sign() * (1 + torch.rand_like(p))
+    model.logit_scale.grad.fill_(-1.0)
+    opt.step()
+    for name, p in model.named_parameters():
+        step = (p.detach() - before[name]).abs().double().mean().item()
+        assert step == pytest.approx(by_param[id(p)], rel=2e-3), name
+
+    cfg.optim.lr = 0.0
+    with pytest.raises(ValueError, match="--image-lr"):
+        tower_lr_scales(cfg)
+    cfg.optim.image_lr = cfg.optim.text_lr = None
+    assert tower_lr_scales(cfg) == (1.0, 1.0)
