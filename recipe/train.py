@@ -380,7 +380,8 @@ def summary(final: dict[str, Any]) -> str:
     """The end of a run in a few readable lines."""
     lines = [f"finished {final['steps']} steps in {final.get('run_dir', '')} ({final.get('precision', '')}, "
              f"{final.get('world_size', 1)} ranks, {final.get('samples_per_s', float('nan')):.1f} samples/s)"]
-    for prefix, what in (("zeroshot", "zero-shot"), ("imagenet", "ImageNet zero-shot")):
+    for prefix, what in (("zeroshot", "zero-shot"), ("imagenet", "ImageNet zero-shot"),
+                         ("ema_zeroshot", "EMA zero-shot"), ("ema_imagenet", "EMA ImageNet zero-shot")):
         if f"{prefix}_top1" in final:
             lines.append(f"  {what} top-1 {final[f'{prefix}_top1']:.3f} (chance {final[f'{prefix}_chance']:.3f}), "
                          f"top-5 {final[f'{prefix}_top5']:.3f}")
