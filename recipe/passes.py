@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from .config import CONTRASTIVE_BATCH_NAMES
-from .loss import ClipLoss
+from .loss import ClipLoss, SigLipLoss
 from .precision import Precision
 
 __all__ = ["CONTRASTIVE_BATCHES", "Passes", "run_passes", "micro_passes", "global_passes", "batchnorm_stats_frozen"]
@@ -70,7 +70,12 @@ class Passes:
 
 
 def run_passes(
-    mode: str, engine: Any, loss_fn: ClipLoss, prec: Precision, batches: Sequence[dict[str, Any]], world: int
+    mode: str,
+    engine: Any,
+    loss_fn: ClipLoss | SigLipLoss,
+    prec: Precision,
+    batches: Sequence[dict[str, Any]],
+    world: int,
 ) -> Passes:
     """The passes of one optimizer step over ``batches`` in contrastive-batch ``mode``; the optimizer
     step itself (after the last backward) is the caller's.
@@ -91,7 +96,7 @@ def _inputs(batch: dict[str, Any], device: torch.device, prec: Precision) -> tup
 
 
 def micro_passes(
-    engine: Any, loss_fn: ClipLoss, prec: Precision, batches: Sequence[dict[str, Any]], world: int
+    engine: Any, loss_fn: ClipLoss | SigLipLoss, prec: Precision, batches: Sequence[dict[str, Any]], world: int
 ) -> Passes:
     """Forward, loss and backward of each micro-batch in turn (DeepSpeed divides each loss by k)."""
     device = next(engine.module.parameters()).device
@@ -110,7 +115,7 @@ def micro_passes(
 
 
 def global_passes(
-    engine: Any, loss_fn: ClipLoss, prec: Precision, batches: Sequence[dict[str, Any]], world: int
+    engine: Any, loss_fn: ClipLoss | SigLipLoss, prec: Precision, batches: Sequence[dict[str, Any]], world: int
 ) -> Passes:
     """One loss over all micro-batches of all ranks, through an embedding cache (see the module)."""
     module = engine.module

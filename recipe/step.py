@@ -26,7 +26,7 @@ import torch
 from optim import SRAdamW
 
 from .distributed import max_over_ranks_, rank_world
-from .loss import ClipLoss
+from .loss import ClipLoss, SigLipLoss
 from .passes import run_passes
 from .precision import Precision, allreduce_gradients
 
@@ -117,7 +117,7 @@ def record_skip(state: TrainState, prec: Precision, skipped: bool, loss_nonfinit
 def train_step(
     engine: Any,
     opt: torch.optim.Optimizer,
-    loss_fn: ClipLoss,
+    loss_fn: ClipLoss | SigLipLoss,
     prec: Precision,
     batches: Iterable[dict[str, Any]],
     state: TrainState,

@@ -74,9 +74,15 @@ FORMATS = ("open_clip", "hf")
 
 
 def export_run(
-    run_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, dtype: str = "fp32", overwrite: bool = False
+    run_dir: str | os.PathLike,
+    fmt: str,
+    out: str | os.PathLike,
+    dtype: str = "fp32",
+    overwrite: bool = False,
+    ema: bool = False,
 ) -> Path:
-    """Exports the newest complete checkpoint of ``run_dir`` (or the given tag directory) to ``out``.
+    """Exports the newest complete checkpoint of ``run_dir`` (or the given tag directory) to ``out``;
+    with ``ema`` the checkpoint's EMA weights (runs trained with ``--ema-decay``).
 
     The output directory appears complete or not at all (:func:`write_directory`).
 
@@ -88,7 +94,7 @@ def export_run(
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     torch_dtype = parse_dtype(dtype)
-    run = load_run(run_dir, torch.float32)  # exact fp32 copies of the saved weights; cast when written
+    run = load_run(run_dir, torch.float32, ema=ema)  # exact fp32 copies of the saved weights; cast when written
     writer = _writers()[fmt]
     return write_directory(out, lambda tmp, final: writer(run, tmp, torch_dtype, final=final), overwrite=overwrite)
 

@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="output directory (must not exist, or be empty)")
     ap.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="dtype of the written weights")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    ap.add_argument("--ema", action="store_true", help="export the EMA weights (a run trained with --ema-decay)")
     return ap
 
 
@@ -31,11 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     from ..checkpoint import CheckpointError
 
     try:
-        out = export_run(args.run_dir, args.format, args.out, args.dtype, overwrite=args.overwrite)
+        out = export_run(args.run_dir, args.format, args.out, args.dtype, overwrite=args.overwrite, ema=args.ema)
     except (UnsupportedExport, CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1 if isinstance(e, UnsupportedExport) else 2
-    print(f"wrote {out} ({args.format}, {args.dtype})")
+    print(f"wrote {out} ({args.format}, {args.dtype}{', EMA weights' if args.ema else ''})")
     return 0
 
 

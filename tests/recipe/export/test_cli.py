@@ -92,3 +92,24 @@ def test_wrong_input_is_one_line_and_a_nonzero_exit(make_run, tmp_path: Path, ca
     assert export_main([str(run), "--format", "open_clip", "--out", str(tmp_path / "y")]) == 2
     assert "step00000007 is incomplete (no COMPLETE marker)" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
+
+
+def test_ema_weights_export_with_ema(make_run, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--ema`` exports the checkpoint's ``ema_weights.pt`` instead of the live weights."""
+    from safetensors.torch import load_file
+
+    from recipe import checkpoint
+
+    run, model = make_run("run", preset="tiny")
+    tag = checkpoint.complete_checkpoints(run / "checkpoints")[-1]
+    ema = {k: v.clone() for k, v in model.state_dict().items()}
+    ema["logit_scale"] = torch.tensor([1.25])
+    torch.save(ema, tag / checkpoint.EMA_WEIGHTS)
+    assert export_main([str(run), "--format", "open_clip", "--out", str(tmp_path / "live")]) == 0
+    assert export_main([str(run), "--format", "open_clip", "--out", str(tmp_path / "ema"), "--ema"]) == 0
+    assert "EMA weights" in capsys.readouterr().out
+    live, averaged = (load_file(tmp_path / d / "open_clip_model.safetensors") for d in ("live", "ema"))
+    assert float(averaged["logit_scale"]) == 1.25 != float(live["logit_scale"])
+    (tag / checkpoint.EMA_WEIGHTS).unlink()
+    assert export_main([str(run), "--format", "hf", "--out", str(tmp_path / "none"), "--ema"]) == 2
+    assert "the run has no EMA" in capsys.readouterr().err
