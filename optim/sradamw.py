@@ -411,7 +411,9 @@ class SRAdamW(Optimizer):
             else:
                 grad_mul = 1.0 / grad_scale
         if isinstance(grad_mul, torch.Tensor):
-            grad_mul = grad_mul.to(torch.float32)
+            if grad_mul.numel() != 1:
+                raise ValueError(f"grad_scale / inv_grad_scale must hold one value, got shape {tuple(grad_mul.shape)}")
+            grad_mul = grad_mul.to(torch.float32).reshape(())  # GradScaler's scale has shape [1]
         skip = self._skip_flag(found_inf, grad_mul)
         if skip is True:
             self._skipped_steps += 1

@@ -305,6 +305,23 @@ def test_grad_scale_and_found_inf() -> None:
     assert int(opt.state[ours[0]]["step"]) == 5
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_one_element_scale_as_gradscaler_keeps_it(state_dtype: torch.dtype) -> None:
+    """GradScaler's scale has shape [1]: it steps exactly like a 0-d scale, fp16 scaled states included;
+    a scale of several values is an error naming the arguments."""
+    out = []
+    for scale in (torch.tensor(1024.0), torch.tensor([1024.0])):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 64).half())
+        opt = SRAdamW([{"params": [p], "state_dtype": state_dtype, "master_weights": False}], lr=1e-3, seed=3)
+        for t in range(3):
+            p.grad = (torch.sin(torch.arange(64.0) + t) * 1024).half()
+            opt.step(grad_scale=scale)
+        out.append(p.detach().clone())
+    assert torch.equal(out[0], out[1]) and not torch.equal(out[0], torch.linspace(-1, 1, 64).half())
+    with pytest.raises(ValueError, match="must hold one value, got shape"):
+        opt.step(grad_scale=torch.tensor([1.0, 2.0]))
+
+
 def test_grad_scaler_drives_the_step() -> None:
     """GradScaler hands the scale over as attributes; eps = 0.1 makes an update from still-scaled
     gradients (1024x) differ visibly from the unscaled one."""
