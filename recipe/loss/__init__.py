@@ -6,9 +6,10 @@ per job: :mod:`~recipe.loss.gather` (all-gather with a reduce-scatter backward),
 :mod:`~recipe.loss.clip` (the module and its mode registry), :mod:`~recipe.loss.chunked` and
 :mod:`~recipe.loss.fused` (+ :mod:`~recipe.loss.fused_kernels`) (the memory-lean modes),
 :mod:`~recipe.loss.matmul` (fp32-result products), :mod:`~recipe.loss.base` (what a mode sees and
-returns). :class:`~recipe.loss.siglip.SigLipLoss` (:mod:`~recipe.loss.siglip`) is SigLIP's sigmoid
-loss, sharded the same way (modes ``plain`` and ``chunked``). Triton is imported only by the fused
-mode, on its first use.
+returns), :mod:`~recipe.loss.inputs` (input checks and the ranks' batch sizes, for both losses).
+:class:`~recipe.loss.siglip.SigLipLoss` (:mod:`~recipe.loss.siglip`) is SigLIP's sigmoid loss,
+sharded the same way (modes ``plain`` and ``chunked``). Triton is imported only by the fused mode,
+on its first use.
 """
 
 from .base import GatheredBatch, ModeOutput

@@ -53,14 +53,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import GatheredBatch, ModeFn, ModeOutput
 from .chunked import chunked_mode
-from .gather import all_gather_single, all_gather_with_grad, world_and_rank
+from .gather import all_gather_with_grad
+from .inputs import check_inputs, rank_sizes
 from .matmul import MatmulF32, no_autocast
 
 __all__ = ["ClipLoss", "LossResult", "LOSS_MODES"]
@@ -105,15 +105,6 @@ class LossResult(NamedTuple):
 
     loss: Tensor
     metrics: dict[str, Tensor]
-
-
-def _as_scalar(value: Tensor | float, name: str, device: torch.device) -> Tensor:
-    t = torch.as_tensor(value, device=device)
-    if t.numel() != 1:
-        raise ValueError(f"{name} must hold a single value, got shape {tuple(t.shape)}")
-    if not t.is_floating_point():
-        t = t.double()
-    return t.float().reshape(())
 
 
 class ClipLoss(nn.Module):
@@ -182,39 +173,11 @@ class ClipLoss(nn.Module):
                 mismatched feature dimensions/dtypes across ranks (raised on every rank).
         """
         image, text = image_features, text_features
-        if image.dim() != 2 or image.shape != text.shape:
-            raise ValueError(
-                f"image and text features must both be (M, D); got {tuple(image.shape)} and {tuple(text.shape)}"
-            )
-        if image.dtype != text.dtype or image.device != text.device or not image.is_floating_point():
-            raise ValueError(
-                f"image and text features must share a floating dtype and device; got "
-                f"{image.dtype}/{image.device} and {text.dtype}/{text.device}"
-            )
-        scale = _as_scalar(logit_scale, "logit_scale", image.device)
-        bias = None if logit_bias is None else _as_scalar(logit_bias, "logit_bias", image.device)
-
-        world, rank = world_and_rank(self.group)
-        bad = None
-        if self.validate:
-            finite = torch.isfinite(image).all() & torch.isfinite(text).all() & torch.isfinite(scale)
-            if bias is not None:
-                finite = finite & torch.isfinite(bias)
-            bad = ~finite
-        if sizes is not None and (len(sizes) != world or sizes[rank] != image.shape[0]):
-            raise ValueError(f"sizes {sizes} do not match world size {world} / local rows {image.shape[0]}")
+        scale, bias, bad = check_inputs(image, text, logit_scale, logit_bias, self.validate)
+        sizes, world, rank = rank_sizes(image, bad, sizes, self.group, "contrastive loss")
         if world == 1:
-            if image.shape[0] == 0:
-                raise ValueError("empty local batch")
-            # host sync only when asked to validate: the error must come before the loss is used
-            if bad is not None and bool(bad):
-                raise ValueError("non-finite values in the contrastive loss inputs")
-            sizes, all_image, all_text = [image.shape[0]], image, text
+            all_image, all_text = image, text
         else:
-            if sizes is None or self.validate:
-                sizes = self._exchange_meta(image, bad, world)
-            elif 0 in sizes:  # every rank holds the same sizes: all raise, none hangs
-                raise ValueError(f"empty local batch on rank(s) {[r for r, m in enumerate(sizes) if m == 0]}")
             all_image, all_text = all_gather_with_grad(image, text, group=self.group, sizes=sizes)
 
         batch = GatheredBatch(image, text, all_image, all_text, sum(sizes[:rank]))
@@ -227,25 +190,3 @@ class ClipLoss(nn.Module):
             "acc_t2i": out.correct_t2i.sum().float() * weight,
         }
         return LossResult(loss, metrics)
-
-    def _exchange_meta(self, image: Tensor, bad: Tensor | None, world: int) -> list[int]:
-        """All-gathers (rows, dim, dtype, non-finite flag) and raises the same error on every rank."""
-        dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-        code = dtypes.index(image.dtype) if image.dtype in dtypes else len(dtypes)
-        mine = torch.tensor([image.shape[0], image.shape[1], code, 0], dtype=torch.int64, device=image.device)
-        if bad is not None:
-            mine[3] = bad.to(torch.int64)
-        table = torch.empty(world, 4, dtype=torch.int64, device=image.device)
-        all_gather_single(table, mine[None], self.group)
-        # host sync: sizes shape the gathered tensors, and every rank must raise the same error
-        rows = table.tolist()
-        if len({r[1] for r in rows}) > 1 or len({r[2] for r in rows}) > 1:
-            per_rank = [r[1:3] for r in rows]
-            raise ValueError(f"feature dim/dtype differ across ranks: (dim, dtype code) per rank = {per_rank}")
-        empty = [i for i, r in enumerate(rows) if r[0] == 0]
-        if empty:
-            raise ValueError(f"empty local batch on rank(s) {empty}")
-        nonfinite = [i for i, r in enumerate(rows) if r[3]]
-        if nonfinite:
-            raise ValueError(f"non-finite values in the contrastive loss inputs on rank(s) {nonfinite}")
-        return [r[0] for r in rows]

@@ -66,8 +66,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .clip import LossResult, _as_scalar
-from .gather import all_gather_single, all_gather_with_grad, world_and_rank
+from .clip import LossResult
+from .gather import all_gather_with_grad
+from .inputs import check_inputs, rank_sizes
 from .matmul import MatmulF32, grad_matmul_dtype, mm_f32, no_autocast
 
 __all__ = ["SIGLIP_MODES", "SigLipLoss", "SigmoidOutput", "chunked_sigmoid_loss"]
@@ -300,37 +301,12 @@ class SigLipLoss(nn.Module):
                 mismatched feature dimensions/dtypes across ranks (raised on every rank).
         """
         image, text = image_features, text_features
-        if image.dim() != 2 or image.shape != text.shape:
-            raise ValueError(
-                f"image and text features must both be (M, D); got {tuple(image.shape)} and {tuple(text.shape)}"
-            )
-        if image.dtype != text.dtype or image.device != text.device or not image.is_floating_point():
-            raise ValueError(
-                f"image and text features must share a floating dtype and device; got "
-                f"{image.dtype}/{image.device} and {text.dtype}/{text.device}"
-            )
-        scale = _as_scalar(logit_scale, "logit_scale", image.device)
-        bias = _as_scalar(0.0 if logit_bias is None else logit_bias, "logit_bias", image.device)
-
-        world, rank = world_and_rank(self.group)
-        bad = None
-        if self.validate:
-            finite = torch.isfinite(image).all() & torch.isfinite(text).all()
-            bad = ~(finite & torch.isfinite(scale) & torch.isfinite(bias))
-        if sizes is not None and (len(sizes) != world or sizes[rank] != image.shape[0]):
-            raise ValueError(f"sizes {sizes} do not match world size {world} / local rows {image.shape[0]}")
+        scale, bias, bad = check_inputs(image, text, logit_scale, logit_bias, self.validate)
+        bias = torch.zeros((), device=image.device) if bias is None else bias
+        sizes, world, rank = rank_sizes(image, bad, sizes, self.group, "SigLIP loss")
         if world == 1:
-            if image.shape[0] == 0:
-                raise ValueError("empty local batch")
-            # host sync only when asked to validate: the error must come before the loss is used
-            if bad is not None and bool(bad):
-                raise ValueError("non-finite values in the SigLIP loss inputs")
-            sizes, all_text = [image.shape[0]], text
+            all_text = text
         else:
-            if sizes is None or self.validate:
-                sizes = self._exchange_meta(image, bad, world)
-            elif 0 in sizes:  # every rank holds the same sizes: all raise, none hangs
-                raise ValueError(f"empty local batch on rank(s) {[r for r, m in enumerate(sizes) if m == 0]}")
             (all_text,) = all_gather_with_grad(text, group=self.group, sizes=sizes)
 
         offset = sum(sizes[:rank])
@@ -347,26 +323,3 @@ class SigLipLoss(nn.Module):
             "acc_t2i": (out.positive >= col_max[offset : offset + image.shape[0]]).sum().float() * weight,
         }
         return LossResult(loss, metrics)
-
-    def _exchange_meta(self, image: Tensor, bad: Tensor | None, world: int) -> list[int]:
-        """All-gathers (rows, dim, dtype, non-finite flag) and raises the same error on every rank
-        (the checks of :class:`~recipe.loss.ClipLoss`)."""
-        dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-        code = dtypes.index(image.dtype) if image.dtype in dtypes else len(dtypes)
-        mine = torch.tensor([image.shape[0], image.shape[1], code, 0], dtype=torch.int64, device=image.device)
-        if bad is not None:
-            mine[3] = bad.to(torch.int64)
-        table = torch.empty(world, 4, dtype=torch.int64, device=image.device)
-        all_gather_single(table, mine[None], self.group)
-        # host sync: sizes shape the gathered tensors, and every rank must raise the same error
-        rows = table.tolist()
-        if len({r[1] for r in rows}) > 1 or len({r[2] for r in rows}) > 1:
-            per_rank = [r[1:3] for r in rows]
-            raise ValueError(f"feature dim/dtype differ across ranks: (dim, dtype code) per rank = {per_rank}")
-        empty = [i for i, r in enumerate(rows) if r[0] == 0]
-        if empty:
-            raise ValueError(f"empty local batch on rank(s) {empty}")
-        nonfinite = [i for i, r in enumerate(rows) if r[3]]
-        if nonfinite:
-            raise ValueError(f"non-finite values in the SigLIP loss inputs on rank(s) {nonfinite}")
-        return [r[0] for r in rows]
