@@ -24,7 +24,7 @@ from optim.rounding import random_bits, round_with_bits
 from recipe.ema import ModelEMA, ema_decay_at, ema_update_, noise_key
 
 from ..dist_utils import run_distributed
-from .test_train import ENV, ds_json, losses_of, train_cfg
+from .test_train import ENV, _train_worker, ds_json, losses_of, train_cfg
 
 # --------------------------------------------------------------------------------------------------
 # in process
@@ -204,28 +204,8 @@ def test_state_round_trip_continues_bit_identically_and_swap_restores(tmp_path: 
 # --------------------------------------------------------------------------------------------------
 
 
-def _ema_worker(rank: int, world: int, cfgs: list[dict], nan_call: int | None) -> list:
-    import recipe.train as T
-    from recipe.config import config_from_dict
-    from recipe.loss import LossResult
-
-    if nan_call is not None:  # a NaN loss on rank 1 at one step: every rank skips that step
-        base = T.ClipLoss
-
-        class Flaky(base):
-            calls = 0
-
-            def forward(self, *a, **k):
-                loss, metrics = super().forward(*a, **k)
-                Flaky.calls += 1
-                return LossResult(loss * float("nan") if Flaky.calls == nan_call and rank == 1 else loss, metrics)
-
-        T.ClipLoss = Flaky
-    return [T.train(config_from_dict(cfg)) for cfg in cfgs]
-
-
 def _run(cfgs: list[dict], nan_call: int | None = None) -> list:
-    return run_distributed(_ema_worker, 2, cfgs, nan_call, init_process_group=False, env=ENV, timeout_s=900)
+    return run_distributed(_train_worker, 2, cfgs, nan_call, init_process_group=False, env=ENV, timeout_s=900)
 
 
 def _weights(run: Path, step: int, name: str) -> dict[str, torch.Tensor]:

@@ -51,12 +51,14 @@ def losses_of(run_dir: str | Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
 
-def _train_worker(rank: int, world: int, cfgs: list[dict], fail: str | None) -> list:
+def _train_worker(rank: int, world: int, cfgs: list[dict], fail: str | int | None) -> list:
     import recipe.train as T
     from recipe.config import config_from_dict
     from recipe.loss import LossResult
 
-    if fail is not None:  # the non-finite guard: a loss that is NaN on some steps
+    # the non-finite guard: a loss that is NaN on every call ("always"), on rank 1's calls 3 and 4
+    # ("steps3-4") or on rank 1's call N (an int)
+    if fail is not None:
         base = T.ClipLoss
 
         class Flaky(base):
@@ -65,7 +67,8 @@ def _train_worker(rank: int, world: int, cfgs: list[dict], fail: str | None) -> 
             def forward(self, *a, **k):
                 loss, metrics = super().forward(*a, **k)
                 Flaky.calls += 1
-                bad = fail == "always" or (fail == "steps3-4" and Flaky.calls in (3, 4) and rank == 1)
+                on_rank1 = {"steps3-4": (3, 4)}.get(fail) if isinstance(fail, str) else (fail,)  # loss calls
+                bad = fail == "always" or (on_rank1 is not None and Flaky.calls in on_rank1 and rank == 1)
                 return LossResult(loss * float("nan") if bad else loss, metrics)
 
         T.ClipLoss = Flaky
