@@ -18,7 +18,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-open_clip = pytest.importorskip("open_clip")
+import open_clip  # noqa: E402  (the test extra installs open_clip_torch: the export is checked against it)
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from recipe.export import LoadedRun, UnsupportedExport, export_run, read_pretrained  # noqa: E402

@@ -269,8 +269,7 @@ def test_matches_float64_reference_after_data_parallel_mean(world: int) -> None:
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_matches_open_clip_rank_by_rank(world: int) -> None:
-    if importlib.util.find_spec("open_clip") is None:
-        pytest.skip("open_clip_torch is not installed (bench extra)")
+    assert importlib.util.find_spec("open_clip") is not None, "open_clip_torch is part of the test extra"
     results = _world_results(world)
     assert results[0]["open_clip"], "open_clip is installed here but was not found in the spawned ranks"
     for rank, res in enumerate(results):
