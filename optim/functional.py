@@ -1,24 +1,33 @@
-"""Functional AdamW step with stochastic rounding, one tensor at a time (the PyTorch path).
+"""Functional AdamW step with stochastic rounding: the definition, and its PyTorch implementations.
 
 A :class:`TensorStep` holds everything one tensor's update needs (its tensors, step, hyperparameters,
-noise keys, float16 state scales); :func:`apply_update_` applies one on the PyTorch path and
-``optim.triton_kernel.sradamw_fused_`` applies a list of them with the fused kernel, which computes
-the same thing in one pass. :func:`sradamw_update_` is the same update with the tensors and options
-as arguments (the reference definition the tests call).
+noise keys, float16 state scales). :func:`apply_update_` applies one on the PyTorch path (the
+reference definition, chunked eager ops); ``optim._compiled`` applies the same function compiled into
+one loop on the CPU (the CPU fast path) and ``optim.triton_kernel.sradamw_fused_`` a list of them
+with the fused GPU kernel. All three compute the same bits.
 
-The update, in float32 arithmetic whatever the storage dtypes (same order of operations as
-``torch.optim.AdamW`` so float32 parameters with float32 state match it):
+The update, in IEEE float32 arithmetic whatever the storage dtypes: every operation below is one
+correctly rounded float32 operation (no fused multiply-add: a CPU compiler, the Triton kernel and the
+eager ops all round each product and sum separately; the square root is correctly rounded):
 
-    w  = w * (1 - lr * weight_decay)
-    m  = lerp(m, g, 1 - beta1)
-    v  = beta2 * v + (1 - beta2) * g * g
-    w  = w - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+    g  = g * grad_mul                                  (an inverse loss scale, when given)
+    w  = w * decay                                     decay = 1 - lr * weight_decay
+    m  = m * beta1 + g * (1 - beta1)
+    v  = v * beta2 + (g * g) * (1 - beta2)
+    w  = w + (m * neg_step) / (sqrt(v) + eps_hat)
 
-then ``w``, ``m`` and ``v`` are written back to their storage dtypes: float32 exactly, half precision
-with stochastic rounding (or round-to-nearest when asked). float16 Adam statistics are stored divided
-by a per-tensor power-of-two scale so that tiny gradients do not underflow; the scale follows an
-upper bound of the statistic that is updated from the gradient's absolute maximum alone, so the
-element-wise pass needs no second reduction.
+with ``neg_step = -lr * sqrt(1 - beta2**t) / (1 - beta1**t)`` and ``eps_hat = eps * sqrt(1 - beta2**t)``
+(the bias corrections folded into the scalars, as in the Adam paper's efficient form): each
+hyperparameter is computed in float64 on the host and rounded once to float32
+(:func:`hyperparameters`). The result equals ``torch.optim.AdamW`` in float32 to a few ulps (torch
+uses lerp, addcmul and two divisions; the definition here has one square root and one division, so
+the fused kernel stays cheap). Then ``w``, ``m`` and ``v`` are written back to their storage dtypes: float32 exactly, half
+precision with stochastic rounding (or round-to-nearest when asked). The noise: per element one
+32-bit hash under the statistics key (high half rounds ``m``, low half ``v``) and one under the weight
+key (:mod:`optim.rounding`). float16 Adam statistics are stored divided by a per-tensor power-of-two
+scale so that tiny gradients do not underflow; the scale follows an upper bound of the statistic that
+is updated from the gradient's absolute maximum alone, so the element-wise pass needs no second
+reduction.
 
 Skipping on the device: ``found_inf`` may be a flag tensor that is never read on the host. Every
 store is then masked (the stored tensors keep their bits where the flag is set), and the result is
@@ -28,12 +37,20 @@ bit-identical to the unmasked update where it is not.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from .rounding import random_bits, round_with_bits
+from .rounding import (
+    _M32,
+    _as_i32,
+    _segment_word,
+    key_words,
+    keyed_hash,
+    round_with_bits,
+)
 
 __all__ = [
     "TensorStep",
@@ -41,10 +58,12 @@ __all__ = [
     "sradamw_update_",
     "masked_copy_",
     "state_scale",
+    "hyperparameters",
+    "update_block_",
+    "HYPERPARAMETERS",
     "F16_STATE_TARGET_EXP",
     "STREAM_PARAM",
-    "STREAM_EXP_AVG",
-    "STREAM_EXP_AVG_SQ",
+    "STREAM_STATE",
 ]
 
 Rounding = Literal["stochastic", "nearest"]
@@ -53,15 +72,34 @@ Rounding = Literal["stochastic", "nearest"]
 #: four of headroom below float16's largest finite value (65504).
 F16_STATE_TARGET_EXP = 14
 
-#: Elements per chunk of the PyTorch path. Chunks bound the temporaries whatever the tensor's length;
-#: on the CPU a chunk that stays in cache is about twice as fast as one pass over a large tensor. The
-#: noise is keyed by the global element index, so the chunk size never changes the result.
+#: Elements per chunk of the eager PyTorch path. Chunks bound the temporaries whatever the tensor's
+#: length; on the CPU a chunk that stays in cache is about twice as fast as one pass over a large
+#: tensor. The noise is keyed by the global element index, so the chunk size never changes the result.
 CPU_CHUNK = 1 << 18
 DEVICE_CHUNK = 1 << 24
 
+#: Noise streams: the weight, and the two statistics (one 32-bit hash: high half exp_avg, low half
+#: exp_avg_sq).
 STREAM_PARAM = 0
-STREAM_EXP_AVG = 1
-STREAM_EXP_AVG_SQ = 2
+STREAM_STATE = 1
+
+#: The float32 hyperparameters of one tensor's step, in this order (the fused kernel's row slots and
+#: the compiled path's scalar vector use these names and this order).
+HYPERPARAMETERS = (
+    "decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "eps_hat", "neg_step", "grad_mul",
+    "clamp_min", "clamp_max",
+)
+
+
+_HP = {name: i for i, name in enumerate(HYPERPARAMETERS)}  # position of each name in the ``hp`` vector
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32 (round to nearest even)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def state_scale(bound: torch.Tensor) -> torch.Tensor:
@@ -99,7 +137,7 @@ class TensorStep:
         beta2: Second moment decay.
         eps: Denominator term.
         weight_decay: Decoupled weight decay coefficient (multiplied by ``lr``).
-        keys: Noise keys of the (weight, exp_avg, exp_avg_sq) streams, from ``derive_key``.
+        keys: Noise keys of the weight and the statistics streams, from ``derive_key``.
         master: Optional float32 master copy (contiguous); ``param`` then gets its nearest copy.
         exp_avg_scales: ``(old, new)`` 0-dim float32 scales of a float16 ``exp_avg`` on its device
             (value = stored * scale).
@@ -121,7 +159,7 @@ class TensorStep:
     beta2: float
     eps: float
     weight_decay: float
-    keys: tuple[int, int, int]
+    keys: tuple[int, int]
     master: torch.Tensor | None = None
     exp_avg_scales: tuple[torch.Tensor, torch.Tensor] | None = None
     exp_avg_sq_scales: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -151,14 +189,161 @@ def masked_copy_(dst: torch.Tensor, src: torch.Tensor, skip: torch.Tensor | None
         dst.copy_(torch.where(skip, dst, src.to(dst.dtype)))
 
 
-def _write(
-    dst: torch.Tensor, src32: torch.Tensor, rounding: Rounding, key: int, offset: int, skip: torch.Tensor | None
+def hyperparameters(s: TensorStep, grad_mul: float = 1.0) -> dict[str, float]:
+    """The step's float32 scalars by name (:data:`HYPERPARAMETERS`): computed in float64, rounded once.
+
+    The one place where the hyperparameters are rounded; the eager path, the compiled CPU path and the
+    fused kernel's metadata rows all take them from here.
+    """
+    values = {
+        "decay": 1 - s.lr * s.weight_decay,
+        "beta1": s.beta1,
+        "one_minus_beta1": 1 - s.beta1,
+        "beta2": s.beta2,
+        "one_minus_beta2": 1 - s.beta2,
+        "eps_hat": s.eps * math.sqrt(1 - s.beta2**s.step),
+        "neg_step": -(s.lr * math.sqrt(1 - s.beta2**s.step) / (1 - s.beta1**s.step)),
+        "grad_mul": grad_mul,
+        "clamp_min": float(s.clamp[0]) if s.clamp is not None else 0.0,
+        "clamp_max": float(s.clamp[1]) if s.clamp is not None else 0.0,
+    }
+    return {k: _f32(values[k]) for k in HYPERPARAMETERS}
+
+
+def key_table(keys: tuple[int, int]) -> list[int]:
+    """``[a_weight, b_weight, a_state, b_state]``: the key words (:func:`optim.rounding.key_words`) of a
+    step's two noise keys, as uint32 values."""
+    (aw, bw), (as_, bs) = key_words(keys[0]), key_words(keys[1])
+    return [aw, bw, as_, bs]
+
+
+def _sqrt_ieee(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 square root on any build: via float64 (53 >= 2 * 24 + 2 bits, so the
+    double rounding is exact). Eager float32 ``sqrt`` on some CPU builds is not correctly rounded."""
+    return x.double().sqrt_().float()
+
+
+def update_block_(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    master: torch.Tensor | None,
+    hp: torch.Tensor,
+    words: torch.Tensor,
+    lo0: torch.Tensor,
+    m_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+    grad_mul: torch.Tensor | None,
+    skip: torch.Tensor | None,
+    sr_p: bool,
+    sr_m: bool,
+    sr_v: bool,
+    clamp: bool,
+    sqrt_fn=torch.sqrt,
 ) -> None:
-    """Stores float32 ``src32`` into ``dst`` (a slice), rounding stochastically when half."""
-    if dst.dtype != torch.float32 and rounding == "stochastic":
-        bits = random_bits(key, offset, src32.numel(), device=src32.device)
-        src32 = round_with_bits(src32, dst.dtype, bits)
-    masked_copy_(dst, src32, skip)
+    """The update of one block of elements, in place: the definition, as tensor operations.
+
+    Runs eagerly on chunks (:func:`apply_update_`, with ``sqrt_fn`` the float64 route) and compiled
+    on whole tensors (``optim._compiled``, ``torch.sqrt``: Inductor's vector square root is the IEEE
+    one). Every argument that changes per step is a tensor, so one compilation serves every step.
+
+    Args:
+        p, g, m, v: 1-D views of the weight, gradient and statistics (storage dtypes).
+        master: 1-D float32 master or None (``p`` then gets its round-to-nearest copy).
+        hp: float32 ``[len(HYPERPARAMETERS)]`` from :func:`hyperparameters`.
+        words: int32 ``[4]``: the weight and statistics key words, the ``a`` words already combined
+            with the high half of the block's element index (:func:`optim.rounding._segment_word`).
+        lo0: int32 0-dim: the low 32 bits of the noise index of element 0 (the block never crosses a
+            multiple of 2**32).
+        m_scales, v_scales: float32 ``[2]`` (old, new) power-of-two scales of float16 statistics.
+        grad_mul: float32 0-dim gradient multiplier or None.
+        skip: 0-dim bool (True: store nothing) or None.
+        sr_p, sr_m, sr_v: stochastic rounding of the weight and the two statistics.
+        clamp: project the weight into ``[clamp_min, clamp_max]``.
+    """
+    f32 = torch.float32
+    gf = g.to(f32)
+    if grad_mul is not None:
+        gf = gf * grad_mul
+    w = (master if master is not None else p).to(f32)
+    mf, vf = m.to(f32), v.to(f32)
+    if m_scales is not None:
+        mf = mf * m_scales[0]
+    if v_scales is not None:
+        vf = vf * v_scales[0]
+    w = w * hp[_HP["decay"]]
+    mf = mf * hp[_HP["beta1"]] + gf * hp[_HP["one_minus_beta1"]]
+    vf = vf * hp[_HP["beta2"]] + (gf * gf) * hp[_HP["one_minus_beta2"]]
+    w = w + (mf * hp[_HP["neg_step"]]) / (sqrt_fn(vf) + hp[_HP["eps_hat"]])
+    if clamp:  # NaN stays NaN
+        lo, hi = hp[_HP["clamp_min"]], hp[_HP["clamp_max"]]
+        w = torch.where(w < lo, lo, torch.where(w > hi, hi, w))
+    if m_scales is not None:
+        mf = mf * (1.0 / m_scales[1])  # powers of two: equal to the division, bit for bit
+    if v_scales is not None:
+        vf = vf * (1.0 / v_scales[1])
+
+    lo = None
+    if sr_p or sr_m or sr_v:
+        lo = torch.arange(g.numel(), dtype=torch.int32, device=g.device) + lo0  # wraps modulo 2**32
+    if sr_m or sr_v:
+        h = keyed_hash(lo, words[2], words[3])
+        if sr_m:
+            mf = round_with_bits(mf, m.dtype, h)  # the high 16 bits
+        if sr_v:
+            vf = round_with_bits(vf, v.dtype, h << 16)  # the low 16 bits
+    masked_copy_(m, mf, skip)
+    masked_copy_(v, vf, skip)
+    if master is not None:
+        masked_copy_(master, w, skip)
+        masked_copy_(p, w, skip)  # round to nearest
+    else:
+        if sr_p:
+            w = round_with_bits(w, p.dtype, keyed_hash(lo, words[0], words[1]))
+        masked_copy_(p, w, skip)
+
+
+def step_tensors(
+    s: TensorStep, grad_mul: torch.Tensor | float | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(hp, m_scales, v_scales, grad_mul)`` of :func:`update_block_` for one tensor's step."""
+    gm = grad_mul if isinstance(grad_mul, (int, float)) else 1.0
+    hp = torch.tensor([hyperparameters(s, gm)[k] for k in HYPERPARAMETERS], dtype=torch.float32, device=device)
+    gmul = None
+    if isinstance(grad_mul, torch.Tensor):
+        gmul = grad_mul.detach().reshape(()).to(device=device, dtype=torch.float32)
+    elif grad_mul is not None:
+        gmul = hp[_HP["grad_mul"]]
+    m_scales = torch.stack([x.reshape(()) for x in s.exp_avg_scales]) if s.exp_avg_scales is not None else None
+    v_scales = torch.stack([x.reshape(()) for x in s.exp_avg_sq_scales]) if s.exp_avg_sq_scales is not None else None
+    return hp, m_scales, v_scales, gmul
+
+
+def rounding_flags(s: TensorStep) -> tuple[bool, bool, bool]:
+    """Whether the weight, ``exp_avg`` and ``exp_avg_sq`` are written with stochastic rounding."""
+    sr_p = s.param.dtype != torch.float32 and s.master is None and s.weight_rounding == "stochastic"
+    sr_m = s.exp_avg.dtype != torch.float32 and s.state_rounding == "stochastic"
+    sr_v = s.exp_avg_sq.dtype != torch.float32 and s.state_rounding == "stochastic"
+    return sr_p, sr_m, sr_v
+
+
+def segment_words(keys: tuple[int, int], hi: int) -> list[int]:
+    """int32 values of :func:`update_block_`'s ``words`` for the elements with index high half ``hi``."""
+    aw, bw, as_, bs = key_table(keys)
+    return [_as_i32(_segment_word(aw, hi)), _as_i32(bw), _as_i32(_segment_word(as_, hi)), _as_i32(bs)]
+
+
+def segments(offset: int, n: int, limit: int) -> list[tuple[int, int]]:
+    """``(start, length)`` pieces of ``[0, n)`` of at most ``limit`` elements that never cross a
+    multiple of 2**32 in the noise index ``offset + start``."""
+    out, pos = [], 0
+    while pos < n:
+        lo = (offset + pos) & _M32
+        length = min(n - pos, limit, (1 << 32) - lo)
+        out.append((pos, length))
+        pos += length
+    return out
 
 
 def apply_update_(
@@ -168,7 +353,7 @@ def apply_update_(
     found_inf: torch.Tensor | None = None,
     chunk_size: int | None = None,
 ) -> None:
-    """One AdamW step on one tensor, in place, on the PyTorch path (chunks of ``chunk_size`` elements).
+    """One AdamW step on one tensor, in place, on the eager PyTorch path (the reference definition).
 
     Args:
         s: The tensor, its state and hyperparameters.
@@ -178,57 +363,21 @@ def apply_update_(
         chunk_size: Elements per chunk; default ``CPU_CHUNK`` on the CPU, ``DEVICE_CHUNK`` elsewhere.
     """
     param = s.param if s.param.is_contiguous() else s.param.contiguous()
+    device = param.device
     skip = _skip_mask(found_inf)
     if chunk_size is None:
-        chunk_size = CPU_CHUNK if param.device.type == "cpu" else DEVICE_CHUNK
-    n = param.numel()
-    p_flat = param.view(-1)
-    g_flat = s.grad.reshape(-1)
-    m_flat = s.exp_avg.view(-1)
-    v_flat = s.exp_avg_sq.view(-1)
-    w_flat = s.master.view(-1) if s.master is not None else None
-    bias_correction1 = 1 - s.beta1**s.step
-    bias_correction2_sqrt = math.sqrt(1 - s.beta2**s.step)
-    step_size = s.lr / bias_correction1
-    decay = 1 - s.lr * s.weight_decay
-    key_p, key_m, key_v = s.keys
-    # Unmasked, float32 storage (master, float32 param or state) is updated in place; masked, every
-    # value is computed aside and written through masked_copy_.
-    aside = skip is not None
-    for start in range(0, n, chunk_size):
-        chunk = slice(start, min(start + chunk_size, n))
-        at = s.index_offset + start  # noise index of the chunk's first element
-        g = g_flat[chunk].to(torch.float32)
-        if grad_mul is not None:
-            g = g * grad_mul
-        w = (w_flat if w_flat is not None else p_flat)[chunk].to(torch.float32, copy=aside)
-        m = m_flat[chunk].to(torch.float32, copy=aside)
-        v = v_flat[chunk].to(torch.float32, copy=aside)
-        if s.exp_avg_scales is not None:
-            m.mul_(s.exp_avg_scales[0])
-        if s.exp_avg_sq_scales is not None:
-            v.mul_(s.exp_avg_sq_scales[0])
-
-        w.mul_(decay)
-        m.lerp_(g, 1 - s.beta1)
-        v.mul_(s.beta2).addcmul_(g, g, value=1 - s.beta2)
-        denom = (v.sqrt() / bias_correction2_sqrt).add_(s.eps)
-        w.addcdiv_(m, denom, value=-step_size)
-        if s.clamp is not None:
-            w.clamp_(s.clamp[0], s.clamp[1])
-
-        if s.exp_avg_scales is not None:
-            m.div_(s.exp_avg_scales[1])
-        if s.exp_avg_sq_scales is not None:
-            v.div_(s.exp_avg_sq_scales[1])
-        _write(m_flat[chunk], m, s.state_rounding, key_m, at, skip)
-        _write(v_flat[chunk], v, s.state_rounding, key_v, at, skip)
-        if w_flat is not None:
-            if aside:
-                masked_copy_(w_flat[chunk], w, skip)
-            masked_copy_(p_flat[chunk], w, skip)  # the nearest copy of the master
-        elif param.dtype != torch.float32 or aside:
-            _write(p_flat[chunk], w, s.weight_rounding, key_p, at, skip)
+        chunk_size = CPU_CHUNK if device.type == "cpu" else DEVICE_CHUNK
+    hp, m_scales, v_scales, gmul = step_tensors(s, grad_mul, device)
+    sr_p, sr_m, sr_v = rounding_flags(s)
+    flat = [t.reshape(-1) if t is s.grad else (t.view(-1) if t is not None else None)
+            for t in (param, s.grad, s.exp_avg, s.exp_avg_sq, s.master)]
+    for start, length in segments(s.index_offset, param.numel(), chunk_size):
+        at = s.index_offset + start
+        words = torch.tensor(segment_words(s.keys, at >> 32), dtype=torch.int32, device=device)
+        lo0 = torch.tensor(_as_i32(at & _M32), dtype=torch.int32, device=device)
+        chunk = [t[start:start + length] if t is not None else None for t in flat]
+        update_block_(*chunk, hp, words, lo0, m_scales, v_scales, gmul, skip, sr_p, sr_m, sr_v,
+                      s.clamp is not None, sqrt_fn=_sqrt_ieee)
     if param is not s.param:
         s.param.copy_(param)
 
@@ -245,7 +394,7 @@ def sradamw_update_(
     beta2: float,
     eps: float,
     weight_decay: float,
-    keys: tuple[int, int, int],
+    keys: tuple[int, int],
     master: torch.Tensor | None = None,
     exp_avg_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     exp_avg_sq_scales: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -2,16 +2,19 @@
 
 The noise is a pure function of ``(key, element index)``: a 32-bit key is derived on the host from
 the seed, the data-parallel rank, the tensor's position in the optimizer, the step and the stream
-(weight, first moment, second moment), and every element hashes its global index with that key. The
-same definition is used by the PyTorch path here and by the fused GPU kernel, so both draw the same
-numbers, a run is reproducible from ``(seed, step)`` alone, and a ZeRO partition of any length (beyond
-2**31 elements included) is processed chunk by chunk without any stored generator state.
+(weight or statistics), and every element hashes its global index with that key (one lowbias32 hash
+with the key injected twice, see :func:`random_bits_reference`). A rounding consumes 16 of the 32
+bits, so one hash serves two roundings (the optimizer's two statistics). The same definition is used
+by the PyTorch paths here and by the fused GPU kernel, so all draw the same numbers, a run is
+reproducible from ``(seed, step)`` alone, and a ZeRO partition of any length (beyond 2**31 elements
+included) is processed chunk by chunk without any stored generator state.
 
 Rounding rules (both target dtypes):
 
 * ``mode="proportional"`` rounds ``x`` to the neighbour above ``|x|`` (in magnitude) with probability
-  ``(|x| - lo) / (hi - lo)``, so ``E[result] == x``; the probability is quantised to 2**-16 for
-  bfloat16 and 2**-24 for float16.
+  ``(|x| - lo) / (hi - lo)``, so ``E[result] == x``; the probability is quantised to 2**-16 (exact for
+  bfloat16, whose 16 discarded bits are the noise's width, and for float16's normal range, which
+  discards 13; rounded up to the next 2**-16 in float16's subnormal range).
 * ``mode="equal"`` picks either neighbour with probability 1/2 (unbiased only on average over x).
 * Representable values are returned exactly; ``±0``, ``±inf`` and NaN are preserved; finite values
   beyond the largest finite value of the target saturate to ``±max`` instead of becoming infinite;
@@ -32,7 +35,8 @@ _M32 = 0xFFFFFFFF
 _H1 = 0x7FEB352D  # lowbias32 multipliers (Chris Wellons' hash-prospector)
 _H2 = 0x846CA68B
 _GOLDEN = 0x9E3779B9
-_HI_SALT = 0x68BC21EB
+_A_SALT = 0x68BC21EB  # key word salts (see key_words)
+_B_SALT = 0x2C1B3C6D
 _BF16_MAX_BITS = 0x7F7F0000
 _F16_MAX = 65504.0
 
@@ -57,6 +61,7 @@ def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def _as_i32(c: int) -> int:
     """A uint32 constant as the int32 with the same bits."""
+    c &= _M32
     return c - (1 << 32) if c >= 1 << 31 else c
 
 
@@ -94,27 +99,79 @@ def derive_key(*parts: int) -> int:
     return h
 
 
-def _segment_key(key: int, hi: int) -> int:
-    """Second-round key for the elements whose index has high 32 bits ``hi``."""
-    return _hash32_int(key ^ _HI_SALT) ^ ((hi * _GOLDEN) & _M32)
+def key_words(key: int) -> tuple[int, int]:
+    """The two 32-bit words a key enters the element hash through: ``(a, b)``.
+
+    ``a = h(key ^ salt_a)`` is added to the low half of the element index (the high half is xored
+    into it as ``hi * golden``), ``b = h(key ^ salt_b)`` in the middle of the hash. Computed once per key
+    on the host; the kernels and the PyTorch paths receive these words, not the key.
+    """
+    key &= _M32
+    return _hash32_int(key ^ _A_SALT), _hash32_int(key ^ _B_SALT)
+
+
+def _segment_word(a: int, hi: int) -> int:
+    """The first key word for the elements whose index has high 32 bits ``hi``."""
+    return a ^ ((hi * _GOLDEN) & _M32)
+
+
+def _keyed_hash_int(x: int, a: int, b: int) -> int:
+    """The element hash on Python ints: lowbias32 of ``x + a`` (mod 2**32) with ``b`` xored in after its
+    first multiplication (two key injections: streams of different keys are not shifts of each other;
+    the addition lets a kernel fold ``a`` into the block's first index)."""
+    x = (x + a) & _M32
+    x ^= x >> 16
+    x = (x * _H1) & _M32
+    x ^= (x >> 15) ^ b
+    x = (x * _H2) & _M32
+    x ^= x >> 16
+    return x
 
 
 def random_bits_reference(key: int, index: int) -> int:
     """The noise of one element, in plain Python: the definition :func:`random_bits` vectorises.
 
-    ``r = h(h(lo32(index) ^ key) ^ k2)`` with ``h`` the lowbias32 hash and
-    ``k2 = h(key ^ salt) ^ (hi32(index) * golden mod 2**32)``.
+    ``r = H(lo32(index) + (a ^ (hi32(index) * golden)), b)`` with ``(a, b) = key_words(key)`` and ``H``
+    lowbias32 with ``b`` xored in after the first multiplication (see :func:`_keyed_hash_int`).
     """
-    lo, hi = index & _M32, index >> 32
-    return _hash32_int(_hash32_int(lo ^ key) ^ _segment_key(key, hi))
+    a, b = key_words(key)
+    return _keyed_hash_int(index & _M32, _segment_word(a, index >> 32), b)
+
+
+def keyed_hash(lo: torch.Tensor, a: int | torch.Tensor, b: int | torch.Tensor) -> torch.Tensor:
+    """:func:`_keyed_hash_int` on an int32 tensor of uint32 bit patterns; ``a``/``b`` as int32 values
+    (Python ints or int32 tensors that broadcast)."""
+    if isinstance(a, int):
+        a = _as_i32(a)
+    if isinstance(b, int):
+        b = _as_i32(b)
+    x = lo + a  # wraps modulo 2**32
+    x = x ^ _srl(x, 16)
+    x = x * _as_i32(_H1)
+    x = x ^ _srl(x, 15) ^ b
+    x = x * _as_i32(_H2)
+    return x ^ _srl(x, 16)
+
+
+def _index_lo(lo0: int, n: int, device: torch.device | str) -> torch.Tensor:
+    """int32 tensor of the uint32 patterns ``lo0 .. lo0 + n - 1`` (all below 2**32)."""
+    if lo0 + n <= 1 << 31:
+        return torch.arange(lo0, lo0 + n, dtype=torch.int32, device=device)
+    # indices past 2**31: shift into int32 range, then flip the top bit back (exact)
+    lo = torch.arange(lo0 - (1 << 31), lo0 + n - (1 << 31), dtype=torch.int64, device=device)
+    return lo.to(torch.int32) ^ _as_i32(1 << 31)
 
 
 def random_bits(key: int, offset: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Uniform 32-bit random integers for elements ``offset .. offset + n - 1`` under ``key``.
 
     Element ``j`` gets :func:`random_bits_reference` ``(key, j)``. Indices are 64-bit (any offset
-    below 2**63 is safe); the high half of the index enters through a per-segment key, so a range
+    below 2**63 is safe); the high half of the index enters through the first key word, so a range
     crossing a multiple of 2**32 is split there.
+
+    The optimizer draws one such 32-bit value per element for its two half-precision statistics
+    (the high 16 bits round ``exp_avg``, the low 16 bits ``exp_avg_sq``) and one for the weight; a
+    rounding uses 16 bits (:func:`round_with_bits` reads the high half of what it is given).
 
     Args:
         key: A 32-bit key from :func:`derive_key`.
@@ -125,20 +182,14 @@ def random_bits(key: int, offset: int, n: int, device: torch.device | str = "cpu
     Returns:
         An int32 tensor of ``n`` uint32 bit patterns (use :func:`_srl`-style logical shifts).
     """
-    key &= _M32
+    a, b = key_words(key)
     pieces = []
     pos = 0
     while pos < n or not pieces:
         j = offset + pos
         hi, lo0 = j >> 32, j & _M32
         seg = min(n - pos, (1 << 32) - lo0)
-        if lo0 + seg <= 1 << 31:
-            lo = torch.arange(lo0, lo0 + seg, dtype=torch.int32, device=device)
-        else:  # indices past 2**31: shift into int32 range, then flip the top bit back (exact)
-            lo = torch.arange(lo0 - (1 << 31), lo0 + seg - (1 << 31), dtype=torch.int64, device=device)
-            lo = lo.to(torch.int32) ^ _as_i32(1 << 31)
-        r = _hash32(lo ^ _as_i32(key))
-        pieces.append(_hash32(r ^ _as_i32(_segment_key(key, hi))))
+        pieces.append(keyed_hash(_index_lo(lo0, seg, device), _segment_word(a, hi), b))
         pos += seg
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
@@ -183,7 +234,7 @@ def _round_f16(x: torch.Tensor, bits: torch.Tensor, mode: Mode) -> torch.Tensor:
     fl = torch.floor(q)
     frac = q - fl  # exact, in [0, 1)
     if mode == "proportional":
-        up = _srl(bits, 8).to(torch.float32) < frac * 16777216.0
+        up = _srl(bits, 16).to(torch.float32) < frac * 65536.0  # exact: frac * 2**16 is a float32
     else:
         up = (frac > 0) & (bits < 0)  # top bit
     mag = (fl + up.to(torch.float32)) * ulp  # exactly representable in float16

@@ -11,9 +11,8 @@ from torch.optim import Optimizer
 
 from . import _triton
 from .functional import (
-    STREAM_EXP_AVG,
-    STREAM_EXP_AVG_SQ,
     STREAM_PARAM,
+    STREAM_STATE,
     TensorStep,
     apply_update_,
     masked_copy_,
@@ -26,7 +25,7 @@ __all__ = ["SRAdamW"]
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ROUNDINGS = ("stochastic", "nearest")
 _NONFINITE = ("skip", "raise")
-_STREAMS = (STREAM_PARAM, STREAM_EXP_AVG, STREAM_EXP_AVG_SQ)
+_STREAMS = (STREAM_PARAM, STREAM_STATE)
 
 _Update = Callable[..., Any]  # (specs, *, grad_mul, found_inf): applies a list of TensorSteps on one device
 
@@ -155,12 +154,14 @@ class SRAdamW(Optimizer):
         check_finite: Check gradients for inf/NaN before each step.
         process_group: Group over which the non-finite flag is reduced (default: the world group
             when ``torch.distributed`` is initialised).
-        fused: ``None`` (default) updates CUDA tensors with the fused Triton kernel when Triton
-            imports and every other tensor with the PyTorch path; ``True`` forces the kernel
-            (CUDA tensors, or CPU tensors when the kernel runs interpreted: ``TRITON_INTERPRET=1``,
-            the default on a machine without CUDA); ``False`` always uses the PyTorch path. Both
-            paths compute the same update with the same noise (see ``optim.triton_kernel`` for the
-            bit-exactness notes).
+        fused: ``None`` (default) picks the fastest implementation per device: CUDA tensors get the
+            fused Triton kernel when Triton imports, CPU tensors the update compiled by
+            ``torch.compile`` into one loop (``optim._compiled``; the first step compiles it, ~10 s per
+            dtype route, and a machine without a C++ compiler falls back to the eager path);
+            ``True`` forces the Triton kernel (CUDA tensors, or CPU tensors when the kernel runs
+            interpreted: ``TRITON_INTERPRET=1``, the default on a machine without CUDA); ``False``
+            always uses the eager PyTorch path (the reference definition). All paths compute the
+            same bits (see ``optim.functional`` for the definition).
 
     Example:
         >>> model = torch.nn.Linear(4, 4).to(torch.bfloat16)
@@ -306,17 +307,20 @@ class SRAdamW(Optimizer):
         The one place that chooses between the two paths (tests force the deferred one on CPU)."""
         return flag.device.type != "cpu"
 
-    def _use_fused(self, device: torch.device) -> bool:
-        if self.fused is None:
-            if device.type != "cuda":
-                return False
-            kernel = _fused_kernel()
-            return kernel is not None and not kernel.interpreting()
-        return bool(self.fused)
-
     def _update_for(self, device: torch.device) -> _Update:
-        """The implementation that updates this device's tensors: the fused kernel or the PyTorch path."""
-        return _fused_kernel().sradamw_fused_ if self._use_fused(device) else _pytorch_updates_
+        """The implementation that updates this device's tensors (the one place that chooses): the
+        fused Triton kernel, the compiled CPU loop, or the eager PyTorch path (all compute the same bits)."""
+        if self.fused is False:
+            return _pytorch_updates_
+        if self.fused is None and device.type == "cpu":
+            from . import _compiled
+
+            return _compiled.compiled_updates_ if _compiled.available() else _pytorch_updates_
+        if self.fused is None:
+            kernel = _fused_kernel()
+            if device.type != "cuda" or kernel is None or kernel.interpreting():
+                return _pytorch_updates_
+        return _fused_kernel().sradamw_fused_
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]

@@ -3,15 +3,15 @@
 One launch per *dtype group* (tensors sharing parameter / gradient / state dtypes, master and
 state-scale presence, rounding modes and pointer alignment) updates every tensor of that group in a
 single pass: it reads ``p, g, m, v`` (and the float32 master and the float16 state scales when
-present), computes the AdamW update in float32 with the operations, operand order and fused
-multiply-adds of :func:`optim.functional.sradamw_update_` as the PyTorch CPU kernels execute it, and
-writes ``p, m, v`` back, rounding half-precision values stochastically with the counter-based noise
-of :mod:`optim.rounding` (``random_bits_reference(key, j)`` for element ``j``), generated in the
-kernel: no noise tensor is read or written.
+present), computes the AdamW update of :func:`optim.functional.update_block_` (the definition: one
+correctly rounded float32 operation per step of the formula, no contraction) and writes ``p, m, v``
+back, rounding half-precision values stochastically with the counter-based noise of
+:mod:`optim.rounding` (one hash per element for the two statistics, one for the weight), generated in
+the kernel: no noise tensor is read or written.
 
 Multi-tensor launch (the chosen design): per step the host builds one small int64 *metadata table*
 per group, a row per tensor holding its data pointers (p, g, m, v, master, the four scale scalars),
-its length, its first noise index, its three noise keys and its float32 hyperparameters
+its length, its first noise index, the key words of its two noise keys and its float32 hyperparameters
 (bit-packed in the same row; the layout is defined by name in :mod:`optim._sradamw_jit`, which holds
 the device code), and uploads it with one asynchronous copy. A cached *block table*
 maps each program to ``(tensor row, block within the tensor)``. Every program loads its row (a few
@@ -20,19 +20,11 @@ elements with 64-bit offsets. Full blocks take an unmasked path so the loads and
 (pointers that are 16-byte aligned are annotated as such; tensors with unaligned pointers form their
 own group without the hint). Hundreds of small tensors therefore cost one launch per dtype group.
 
-Bit-exactness: under ``TRITON_INTERPRET=1`` the kernel reproduces the PyTorch path on the CPU bit for
-bit (tests/optim/test_triton_kernel.py), with one exception: torch's float32 CPU ``sqrt`` goes through a vector
-math library and is not always correctly rounded (on the development machine one result in five is
-an ulp off), while the kernel uses the IEEE square root, so the tests take the reference's square
-root from numpy. The arithmetic is written to be device independent: division and square root are
-correctly rounded (``div_rn``/``sqrt_rn``), the fused multiply-adds are exactly the ones the PyTorch
-CPU kernels use (``lerp`` and ``addcmul``; emulated exactly in float64 under the interpreter, which
-has no FMA), and the compiler may not contract other products (``enable_fp_fusion=False``), so the
-compiled kernel should match the same CPU reference; the ``gpu``-marked tests check that where a GPU
-is present. The PyTorch path *on CUDA* is another matter: torch's CUDA ``addcmul`` and division by a
-Python scalar order or contract operations differently, so it can differ from both by an ulp in a
-float32 intermediate, which in rare elements moves a stochastic rounding decision to the other
-neighbour.
+Bit-exactness: the kernel computes the definition's bits on every device: under
+``TRITON_INTERPRET=1`` against the eager path on the CPU (tests/optim/test_triton_kernel.py), compiled
+on a GPU against the same CPU results (``gpu``-marked tests). Division and square root are the
+correctly rounded ``div_rn``/``sqrt_rn``, and the compiler may not contract products into fused
+multiply-adds (``enable_fp_fusion=False``), as the definition rounds each operation.
 
 Triton is imported through :func:`optim._triton.load` (the one availability policy) when this module
 is imported, which :mod:`optim` does lazily (the first fused step). ``TRITON_INTERPRET`` is read when
@@ -43,8 +35,6 @@ addresses); compiled kernels run on CUDA tensors only.
 
 from __future__ import annotations
 
-import math
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -54,9 +44,7 @@ import torch
 from . import _sradamw_jit as _jit
 from . import _triton
 from ._sradamw_jit import Kind, Slot, Word
-from .functional import TensorStep
-from .rounding import _HI_SALT, _M32, _as_i32
-from .rounding import _hash32 as _hash32_tensor
+from .functional import HYPERPARAMETERS, TensorStep, hyperparameters, key_table
 
 __all__ = [
     "TensorStep",
@@ -76,8 +64,7 @@ DEFAULT_NUM_WARPS = 16
 
 _KIND = {torch.float32: Kind.F32, torch.bfloat16: Kind.BF16, torch.float16: Kind.F16}
 _ROUNDINGS = ("stochastic", "nearest")
-_KEY_WORDS = [int(Word.KEY_P), int(Word.KEY_M), int(Word.KEY_V)]
-_SALT_WORDS = [int(Word.SALT_P), int(Word.SALT_M), int(Word.SALT_V)]
+_KEY_WORDS = [int(Word.A_P), int(Word.B_P), int(Word.A_S), int(Word.B_S)]  # the order of key_table
 _ALIGN = 16  # bytes
 
 
@@ -132,29 +119,8 @@ def _validate(s: TensorStep) -> None:
 # ----------------------------------------------------------------------------------------------
 # Metadata rows (layout: optim._sradamw_jit.Word and Slot)
 # ----------------------------------------------------------------------------------------------
-def _salted(keys: torch.Tensor) -> torch.Tensor:
-    """The key-only half of ``optim.rounding._segment_key`` (the kernel adds the high-half term).
-
-    Args:
-        keys: int64 tensor of 32-bit keys.
-
-    Returns:
-        int64 tensor of ``_hash32_int(key ^ salt)``, in ``[0, 2**32)``.
-    """
-    as_i32 = (keys & _M32).to(torch.int32)  # int64 -> int32 keeps the low 32 bits
-    return _hash32_tensor(as_i32 ^ _as_i32(_HI_SALT)).to(torch.int64) & _M32
-
-
-def _f32(x: float) -> float:
-    """x rounded to float32 (round to nearest even), as torch casts a Python scalar operand."""
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:
-        return math.copysign(math.inf, x)
-
-
 def _int_words(s: TensorStep, param: torch.Tensor, grad: torch.Tensor) -> list[int]:
-    """The :class:`Word` part of one row; the salted keys are filled for the whole table at once."""
+    """The :class:`Word` part of one row."""
     m_scales = s.exp_avg_scales or (None, None)
     v_scales = s.exp_avg_sq_scales or (None, None)
     addresses = {
@@ -173,38 +139,20 @@ def _int_words(s: TensorStep, param: torch.Tensor, grad: torch.Tensor) -> list[i
         row[word] = t.data_ptr() if t is not None else 0
     row[Word.NUMEL] = param.numel()
     row[Word.NOISE_BASE] = int(s.index_offset)
-    for word, key in zip(_KEY_WORDS, s.keys):
-        row[word] = int(key) & _M32
-    row[Word.LERP_SMALL] = int(abs(_f32(1 - s.beta1)) < 0.5)
+    for word, value in zip(_KEY_WORDS, key_table(s.keys)):
+        row[word] = value
     return row
 
 
 def _float_slots(s: TensorStep, grad_mul: float) -> list[float]:
-    """The :class:`Slot` part of one row, in the order and rounding of the PyTorch path.
-
-    The lerp weight ``1 - beta1`` is rounded to float32 first (torch rounds a Python scalar operand
-    of a float32 operation); every value is rounded to float32 when the row is packed.
-    """
-    weight = _f32(1 - s.beta1)
-    values = {
-        Slot.DECAY: 1 - s.lr * s.weight_decay,
-        Slot.LERP: weight if abs(weight) < 0.5 else weight - 1.0,  # exact in float32
-        Slot.BETA2: s.beta2,
-        Slot.ONE_MINUS_BETA2: 1 - s.beta2,
-        Slot.BC2_SQRT: math.sqrt(1 - s.beta2**s.step),
-        Slot.EPS: s.eps,
-        Slot.NEG_STEP: -(s.lr / (1 - s.beta1**s.step)),
-        Slot.GRAD_MUL: grad_mul,
-        Slot.CLAMP_MIN: float(s.clamp[0]) if s.clamp is not None else 0.0,
-        Slot.CLAMP_MAX: float(s.clamp[1]) if s.clamp is not None else 0.0,
-    }
-    return [values[slot] for slot in Slot] + [0.0] * (len(Slot) % 2)
+    """The :class:`Slot` part of one row: :func:`optim.functional.hyperparameters`, padded to whole words."""
+    hp = hyperparameters(s, grad_mul)
+    return [hp[name] for name in HYPERPARAMETERS] + [0.0] * (len(Slot) % 2)
 
 
 def _metadata(items: Sequence[tuple[TensorStep, torch.Tensor, torch.Tensor]], grad_mul: float) -> torch.Tensor:
     """The host metadata table of one dtype group: int64 ``[len(items), ROW_WORDS]``."""
     ints = torch.tensor([_int_words(s, param, grad) for s, param, grad in items], dtype=torch.int64)
-    ints[:, _SALT_WORDS] = _salted(ints[:, _KEY_WORDS])
     floats = torch.tensor([_float_slots(s, grad_mul) for s, _, _ in items], dtype=torch.float32)
     return torch.cat([ints, floats.view(torch.int64)], dim=1).contiguous()
 
@@ -348,7 +296,7 @@ def sradamw_fused_(
             blocks, device, table, floats, blocks,
             skip if skip is not None else floats,  # unused without HAS_SKIP
             gmul_tensor if gmul_tensor is not None else floats,  # unused unless GMUL == 2
-            **dict(constexprs), HAS_SKIP=skip is not None, EMULATE_FMA=interpreting(), BLOCK=block,
+            **dict(constexprs), HAS_SKIP=skip is not None, BLOCK=block,
             num_warps=warps, enable_fp_fusion=False,
         )
         for s, param, _ in items:

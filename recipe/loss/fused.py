@@ -37,9 +37,10 @@ CLIP embeddings are wide (``D`` = 512 ... 1,024). A FlashAttention-style backwar
 memory instead costs a read-modify-write of ``block_m x D`` fp32 per tile pair, several TB/s at
 these sizes. The backward therefore walks the gathered side in **column bands** of ``band_cols``
 columns: a Triton kernel recomputes each tile of the band (same tiles and K-steps as the forward, so
-the same fp32 logits) and writes ``s * dS`` for the band (bf16 for bf16 features, fp32 otherwise:
-fp16 would underflow ``p / B``), together with per-tile partial sums of ``dS * (x . y)`` for the
-logit-scale gradient; two cuBLAS GEMMs then give the band's column gradients
+the same fp32 logits) and writes ``s * dS`` for the band in the features' dtype (bf16; fp16 times a
+power of two that keeps ``p / B`` out of fp16's underflow, undone exactly after the GEMMs; fp32),
+together with per-tile partial sums of ``dS * (x . y)`` for the logit-scale gradient; two cuBLAS
+GEMMs (tensor cores for 16-bit features) then give the band's column gradients
 ``d cols[band] = dS_band^T rows`` (complete, fp32 accumulation, one rounding) and add
 ``dS_band cols[band]`` into an fp32 ``(M, D)`` accumulator of the row gradients. A band entry costs
 6 bytes of traffic against ``6 D`` flops, so the GEMMs stay compute-bound; ``band_cols`` is at least
@@ -75,12 +76,14 @@ from .fused_kernels import bwd_kernel, fwd_kernel
 from .matmul import addmm_f32_, mm_f32
 
 __all__ = [
+    "CANDIDATES",
     "FusedConfig",
     "default_config",
     "fused_cross_entropy",
     "fused_mode",
     "fused_symmetric_cross_entropy",
     "interpreting",
+    "launch_arguments",
 ]
 
 
@@ -105,6 +108,8 @@ class FusedConfig:
             the backward use the same tiles and step, so the recomputed logits are the forward's.
         num_warps: Warps per program (GPU).
         num_stages: Software-pipelining stages of the K loop (GPU).
+        max_registers: Cap on registers per thread (``ptxas`` ``maxnreg``, GPU); ``None``: ptxas's
+            choice. 128 lets two CTAs of 8 warps share an SM (65,536 registers).
         group_m: Row tiles per launch group of the backward kernel (L2 reuse of the row operand).
         programs: Forward programs to aim for; ``None``: four per streaming multiprocessor on the GPU,
             4 in the interpreter (so that the partial-statistics merges are exercised).
@@ -116,10 +121,11 @@ class FusedConfig:
     """
 
     block_m: int = 128
-    block_n: int = 128
+    block_n: int = 64
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    max_registers: int | None = None
     group_m: int = 8
     programs: int | None = None
     band_cols: int | None = None
@@ -134,6 +140,8 @@ class FusedConfig:
         for name in ("num_warps", "num_stages", "group_m", "band_bytes", "min_band_cols"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_registers is not None and not 24 <= self.max_registers <= 255:
+            raise ValueError(f"max_registers must be in [24, 255], got {self.max_registers}")
         if self.programs is not None and self.programs < 1:
             raise ValueError(f"programs must be positive, got {self.programs}")
         if self.band_cols is not None and self.band_cols < 1:
@@ -148,29 +156,55 @@ def _pow2_ceil(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def default_config(dtype: torch.dtype, dim: int, chunk_size: int | None = None) -> FusedConfig:
+#: Launch configurations worth timing on the GPU, per feature dtype class: ``(block_m, block_n,
+#: block_k, num_warps, num_stages, max_registers)``; the first is :func:`default_config`'s. Chosen
+#: statically (no run-time autotuning) from the sm_90 resources ``ptxas -v`` reports
+#: (``python benchmarks/kernel_report.py``), CTAs per SM = min(65536 / (registers x threads),
+#: 228 KiB / shared memory). Measure with ``python -m recipe.loss.fused --batch 65536 --dim 1024
+#: --dtype bfloat16`` (and ``float16``, ``float32``) on an H100/H200 -- forward and forward +
+#: backward milliseconds per candidate -- and move the fastest first.
+#: * 16-bit: 128 x 64 over 8 warps capped at 128 registers (fwd 127, bwd 118 bf16 / 127 fp16, no
+#:   spills; 72 KiB: 2 CTAs = 16 warps per SM, one CTA's exponentials overlapping the other's
+#:   ``wgmma``); 64 x 64 over 4 warps (4 CTAs, half the operand reuse per tile); 128 x 128 over 8
+#:   warps (the previous default: ~250 registers, 96 KiB: one CTA of 8 warps, twice the reuse); 128
+#:   x 64 with 4 stages (96 KiB, 2 CTAs).
+#: * fp32 (IEEE FMA dot): 64 x 64 over 4 warps, K step 16 (fwd 168 / bwd 128 registers: 3 and 4
+#:   CTAs); 128 x 64 over 8 warps, K step 32 (the previous default: fwd ~210-255, one CTA).
+CANDIDATES = {
+    "16-bit": ((128, 64, 64, 8, 3, 128), (64, 64, 64, 4, 3, 128), (128, 128, 64, 8, 3, None), (128, 64, 64, 8, 4, 128)),
+    "fp32": ((64, 64, 16, 4, 2, None), (128, 64, 32, 8, 2, None)),
+}
+
+
+def default_config(dtype: torch.dtype, dim: int, chunk_size: int | None = None,
+                   candidate: int = 0) -> FusedConfig:
     """The configuration :func:`fused_mode` uses.
 
-    Chosen for H100/H200 (sm_90) from the compiled kernels' resource use (``ptxas -v``: no register
-    spills, pipelined ``cp.async`` operand loads): 16-bit features take 128 x 128 tiles over 8 warps
-    (two warp-groups of ``wgmma``), K steps of 64 and three pipeline stages (96 KiB of shared
-    memory); fp32 features (IEEE fp32 FMA dot, no tensor cores) 128 x 64 tiles, K steps of 32, two
-    stages. ``chunk_size`` (the ``ClipLoss`` argument) caps the tile edge (rounded down to a power
-    of two, at least 16), so small problems in tests use small tiles.
+    The first of :data:`CANDIDATES` for the dtype (chosen for H100/H200 from the compiled kernels'
+    resources, see there): 16-bit features take 128 x 64 tiles over 8 warps (two warp-groups of
+    ``wgmma``) capped at 128 registers (two CTAs per SM), K steps of 64 and three pipeline stages;
+    fp32 features (IEEE fp32 FMA dot, no tensor cores: TF32 would break the fp32 contract) 64 x 64
+    tiles over 4 warps, K steps of 16, two stages. A tile edge capped below ``block_m`` takes one
+    warp-group (4 warps).
+    The forward and the backward use the same tiles and K steps, so the recomputed logits are the
+    forward's. ``chunk_size`` (the ``ClipLoss`` argument) caps the tile edges (rounded down to a
+    power of two, at least 16), so small problems in tests use small tiles.
 
     Args:
         dtype: Feature dtype.
         dim: Feature dimension ``D`` (the K step is not made larger than needed).
-        chunk_size: Optional cap of the tile edge.
+        chunk_size: Optional cap of the tile edges.
+        candidate: Index into :data:`CANDIDATES` (timing the alternatives).
     """
+    cand = CANDIDATES["fp32" if dtype == torch.float32 else "16-bit"][candidate]
+    block_m, block_n, block_k, warps, stages, max_registers = cand
     edge = 128 if chunk_size is None else min(128, max(16, _pow2_floor(chunk_size)))
-    if dtype == torch.float32:
-        block_n, block_k, stages = min(64, edge), 32, 2
-    else:
-        block_n, block_k, stages = edge, 64, 3
+    if edge < block_m:  # small tiles: one warp-group
+        block_m, warps = edge, 4
+    block_n = min(block_n, edge)
     block_k = min(block_k, max(16, _pow2_ceil(dim)))
-    warps = 8 if edge >= 128 else 4
-    return FusedConfig(block_m=edge, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
+    return FusedConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
+                       max_registers=max_registers)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -191,7 +225,7 @@ def _check_ready(device: torch.device) -> None:
         )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -206,16 +240,18 @@ def _target_programs(cfg: FusedConfig, device: torch.device) -> int:
 
 def _kernel_flags(dtype: torch.dtype, dim: int, cfg: FusedConfig) -> dict:
     interp = interpreting()
-    flags = dict(
-        EVEN_K=dim % cfg.block_k == 0,
-        UPCAST=interp,
-        PRECISION="ieee" if (dtype == torch.float32 or interp) else "tf32",
-        BM=cfg.block_m,
-        BN=cfg.block_n,
-        BK=cfg.block_k,
-    )
+    flags = {
+        "EVEN_K": dim % cfg.block_k == 0,
+        "UPCAST": interp,
+        "PRECISION": "ieee" if (dtype == torch.float32 or interp) else "tf32",
+        "BM": cfg.block_m,
+        "BN": cfg.block_n,
+        "BK": cfg.block_k,
+    }
     if not interp:
         flags.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if cfg.max_registers is not None:
+            flags.update(maxnreg=cfg.max_registers)
     return flags
 
 
@@ -231,17 +267,13 @@ def _merge(m: Tensor, l: Tensor, before: Tensor) -> tuple[Tensor, Tensor, Tensor
     return top, (l * torch.exp(m - top)).sum(dim=0), before.max(dim=0).values
 
 
-def _forward_stats(rows: Tensor, cols: Tensor, scale: Tensor, offset: int, symmetric: bool, cfg: FusedConfig):
-    """Runs the forward kernel.
-
-    Returns:
-        ``(pos, (row_max, row_sum, row_before)[, (col_max, col_sum, col_before)])``: fp32 vectors,
-        ``*_before`` the maximum over the entries preceding the target (see :func:`fwd_kernel`).
-    """
+def _fwd_launch(rows: Tensor, cols: Tensor, scale: Tensor, offset: int, symmetric: bool, cfg: FusedConfig,
+                target: int) -> tuple[tuple, tuple, dict, tuple]:
+    """The forward kernel's launch: ``(grid, args, kwargs, (pos, row_stats, col_stats))`` with the
+    statistics buffers allocated (``target``: programs to aim for, see :class:`FusedConfig`)."""
     m_rows, dim = rows.shape
     n_cols = cols.shape[0]
     row_tiles, col_tiles = _cdiv(m_rows, cfg.block_m), _cdiv(n_cols, cfg.block_n)
-    target = _target_programs(cfg, rows.device)
     # At most `target` programs (a whole number of waves when it is a multiple of the SM count);
     # every program gets row and column tiles (p_r <= row tiles, p_c <= column tiles).
     if symmetric:  # p_r ~ p_c balances the (p_r + p_c) * B partial-statistics memory
@@ -251,37 +283,33 @@ def _forward_stats(rows: Tensor, cols: Tensor, scale: Tensor, offset: int, symme
         p_r = row_tiles
         p_c = min(col_tiles, max(1, target // row_tiles))
 
-    f32 = dict(dtype=torch.float32, device=rows.device)
+    f32 = {"dtype": torch.float32, "device": rows.device}
     row_stats = [torch.empty(p_c, m_rows, **f32) for _ in range(3)]
     pos = torch.empty(m_rows, **f32)
-    if symmetric:
-        col_stats = [
-            torch.full((p_r, n_cols), float("-inf"), **f32),
-            torch.zeros(p_r, n_cols, **f32),
-            torch.full((p_r, n_cols), float("-inf"), **f32),
-        ]
+    if symmetric:  # (max, sum, max before) records per column, padded to whole tiles; tile scratch
+        col_stats = torch.tensor([float("-inf"), 0.0, float("-inf")], **f32).repeat(p_r, col_tiles * cfg.block_n, 1)
+        scratch = torch.empty(p_r * p_c, 3 * cfg.block_n, **f32)
     else:
-        col_stats = row_stats  # unused
-    fwd_kernel[(p_r, p_c)](
-        rows,
-        cols,
-        scale,
-        *row_stats,
-        pos,
-        *col_stats,
-        m_rows,
-        n_cols,
-        dim,
-        rows.stride(0),
-        cols.stride(0),
-        offset,
-        p_r,
-        p_c,
-        COL_STATS=symmetric,
-        **_kernel_flags(rows.dtype, dim, cfg),
-    )
+        col_stats = scratch = pos  # unused
+    args = (rows, cols, scale, *row_stats, pos, col_stats, scratch, m_rows, n_cols, dim, rows.stride(0),
+            cols.stride(0), offset, p_r, p_c)
+    kwargs = dict(COL_STATS=symmetric, **_kernel_flags(rows.dtype, dim, cfg))
+    return (p_r, p_c), args, kwargs, (pos, row_stats, col_stats)
+
+
+def _forward_stats(rows: Tensor, cols: Tensor, scale: Tensor, offset: int, symmetric: bool, cfg: FusedConfig):
+    """Runs the forward kernel.
+
+    Returns:
+        ``(pos, (row_max, row_sum, row_before)[, (col_max, col_sum, col_before)])``: fp32 vectors,
+        ``*_before`` the maximum over the entries preceding the target (see :func:`fwd_kernel`).
+    """
+    grid, args, kwargs, (pos, row_stats, col_stats) = _fwd_launch(
+        rows, cols, scale, offset, symmetric, cfg, _target_programs(cfg, rows.device))
+    fwd_kernel[grid](*args, **kwargs)
     if symmetric:
-        return pos, _merge(*row_stats), _merge(*col_stats)
+        n_cols = cols.shape[0]
+        return pos, _merge(*row_stats), _merge(*col_stats[:, :n_cols].permute(2, 0, 1).contiguous())
     return pos, _merge(*row_stats)
 
 
@@ -296,6 +324,81 @@ def _band_cols(cfg: FusedConfig, m_rows: int, n_cols: int, elem: int) -> int:
     return min(width, _cdiv(n_cols, cfg.block_n) * cfg.block_n)
 
 
+def _ds_dtype(feature_dtype: torch.dtype) -> torch.dtype:
+    """dtype of the ``dS`` bands: the features' (tensor-core GEMMs with fp32 accumulation; fp16 with
+    the range scaling of :func:`_ds_range`), fp32 for fp32 features (exact fp32 contract)."""
+    return feature_dtype
+
+
+def _ds_range(ds_dtype: torch.dtype, g_r: Tensor, g_c: Tensor, scale: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``(out_scale, unscale)``: the kernel stores ``dS * out_scale``; the GEMM results are multiplied
+    by ``unscale`` (``None``: 1).
+
+    fp16 ``dS`` would underflow (entries ``~ g p``, with ``g ~ 1 / B`` and ``p ~ 1 / B``): it is stored
+    times the power of two ``f`` that takes its bound ``|dS * scale| <= 2 max|g| |scale|`` to
+    ``2^15 <= 65504`` (device tensors, no synchronisation); ``f`` and ``1 / f`` are exact, so
+    ``unscale * (dS f)^T x`` is the fp32 product of the fp16-rounded ``dS`` (relative rounding
+    ``2^-11``, ``2^14`` times finer than the bound before subnormals).
+    """
+    if ds_dtype != torch.float16:
+        return scale, None
+    bound = 2.0 * torch.maximum(g_r.abs().max(), g_c.abs().max()) * scale.abs().reshape(())
+    exp = torch.ceil(torch.log2(bound.clamp(min=2.0**-100, max=2.0**100))).to(torch.int32)
+    one = torch.ones((), dtype=torch.float32, device=scale.device)
+    return scale * torch.ldexp(one, 15 - exp), torch.ldexp(one, exp - 15)
+
+
+def _bwd_launch(rows: Tensor, cols: Tensor, scale: Tensor, out_scale: Tensor, pos: Tensor, row_stats: tuple,
+                col_stats: tuple, band: Tensor, partial: Tensor, offset: int, c0: int, w: int, symmetric: bool,
+                cfg: FusedConfig) -> tuple[tuple, tuple, dict]:
+    """The backward kernel's launch for the band ``[c0, c0 + w)``: ``(grid, args, kwargs)``;
+    ``row_stats`` / ``col_stats``: ``(max, log sum, upstream gradient)`` vectors."""
+    m_rows, dim = rows.shape
+    grid = (_cdiv(m_rows, cfg.block_m) * _cdiv(w, cfg.block_n),)
+    args = (rows, cols, scale, out_scale, pos, *row_stats, *col_stats, band, partial, m_rows, dim,
+            rows.stride(0), cols.stride(0), band.stride(0), offset, c0, w)
+    kwargs = dict(SYMMETRIC=symmetric, GROUP_M=cfg.group_m, **_kernel_flags(rows.dtype, dim, cfg))
+    return grid, args, kwargs
+
+
+def launch_arguments(a: Tensor, b: Tensor, symmetric: bool = True, offset: int = 0,
+                     config: FusedConfig | None = None, programs: int | None = None) -> dict:
+    """The kernels' launches as the runtime issues them for ``a`` against ``b``, without running them.
+
+    For tools and tests that compile the kernels with the runtime's exact specialisation (argument
+    dtypes, 16-divisible integers and pointers, constexprs, ``num_warps``/``num_stages``), e.g. for
+    sm_90 on a machine without a GPU (``TRITON_INTERPRET=0``): ``{"fwd": (kernel, grid, args,
+    kwargs), "bwd": (...)}``, the backward's for its first band, with buffers of the runtime's shapes
+    and dtypes on ``a``'s device (statistics uninitialised: for compiling only).
+
+    Args:
+        a: ``(M, D)`` row features (the runtime's dtype and strides).
+        b: ``(N, D)`` column features.
+        symmetric: The world-size-1 block (both directions, square, offset 0) or a row block.
+        offset: Column of row 0's target (row blocks).
+        config: ``None``: :func:`default_config` for ``a``'s dtype and ``D``.
+        programs: Forward programs to aim for; ``None``: the runtime's (four per SM on the current GPU).
+    """
+    cfg = config or default_config(a.dtype, a.shape[1])
+    if programs is not None:
+        cfg = dataclasses.replace(cfg, programs=programs)
+    a, b = _prepare(a), _prepare(b)
+    scale = torch.ones(1, dtype=torch.float32, device=a.device)
+    grid, args, kwargs, (pos, _, _) = _fwd_launch(a, b, scale, offset, symmetric, cfg, _target_programs(cfg, a.device))
+    m_rows, n_cols = a.shape[0], b.shape[0]
+    ds_dtype = _ds_dtype(a.dtype)
+    width = _band_cols(cfg, m_rows, n_cols, torch.finfo(ds_dtype).bits // 8)
+    f32 = {"dtype": torch.float32, "device": a.device}
+    row_stats = tuple(torch.empty(m_rows, **f32) for _ in range(3))
+    col_stats = tuple(torch.empty(n_cols, **f32) for _ in range(3)) if symmetric else row_stats
+    band = torch.empty(m_rows, width, dtype=ds_dtype, device=a.device)
+    w = min(width, n_cols)
+    partial = torch.empty(_cdiv(m_rows, cfg.block_m) * _cdiv(w, cfg.block_n), **f32)
+    bwd = _bwd_launch(a, b, scale, scale.clone(), pos, row_stats, col_stats, band, partial, offset, 0, w,
+                      symmetric, cfg)
+    return {"fwd": (fwd_kernel, grid, args, kwargs), "bwd": (bwd_kernel, *bwd)}
+
+
 class _FusedCrossEntropy(torch.autograd.Function):
     """Row (and, ``symmetric``, column) cross-entropies of ``scale * rows @ cols^T``.
 
@@ -304,7 +407,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, cols, scale, offset, symmetric, cfg):  # noqa: D102
+    def forward(ctx, rows, cols, scale, offset, symmetric, cfg):
         scale_buf = scale.detach().reshape(1).to(torch.float32).contiguous()
         pos, *stats = _forward_stats(rows, cols, scale_buf, offset, symmetric, cfg)
         outs, saved = [], []
@@ -323,7 +426,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad_rows, _grad_correct_rows, grad_cols, _grad_correct_cols):  # noqa: D102
+    def backward(ctx, grad_rows, _grad_correct_rows, grad_cols, _grad_correct_cols):
         with torch.autocast(device_type=ctx.saved_tensors[0].device.type, enabled=False):
             return _FusedCrossEntropy._backward(ctx, grad_rows, grad_cols)
 
@@ -335,62 +438,43 @@ class _FusedCrossEntropy(torch.autograd.Function):
         m_rows, dim = rows.shape
         n_cols = cols.shape[0]
         device = rows.device
-        f32 = dict(dtype=torch.float32, device=device)
+        f32 = {"dtype": torch.float32, "device": device}
         g_r = torch.zeros(m_rows, **f32) if grad_rows is None else grad_rows.float().contiguous()
         if symmetric:
             g_c = torch.zeros(n_cols, **f32) if grad_cols is None else grad_cols.float().contiguous()
+            col_stats = (col_max, col_ll, g_c)
         else:
-            g_c = g_r  # unused
+            g_c = g_r
+            col_stats = (row_max, row_ll, g_r)  # unused
 
-        # dS in bf16 for bf16 features (tensor-core GEMMs, fp32 accumulation); fp32 otherwise
-        # (fp16 would underflow p / B); fp16 features then take fp32 copies for the GEMMs.
-        ds_dtype = torch.bfloat16 if rows.dtype == torch.bfloat16 else torch.float32
-        mm_rows = rows if rows.dtype != torch.float16 else rows.float()
-        mm_cols = cols if cols.dtype != torch.float16 else cols.float()
+        # dS in the features' dtype: bf16 and fp16 (range-scaled) feed tensor-core GEMMs with fp32
+        # accumulation, fp32 stays fp32
+        ds_dtype = _ds_dtype(rows.dtype)
+        out_scale, unscale = _ds_range(ds_dtype, g_r, g_c, scale_buf)
         width = _band_cols(cfg, m_rows, n_cols, torch.finfo(ds_dtype).bits // 8)
         band = torch.empty(m_rows, width, dtype=ds_dtype, device=device)
         acc = torch.zeros(m_rows, dim, **f32) if need_rows else None
         grad_c = torch.empty(n_cols, dim, dtype=cols.dtype, device=device) if need_cols else None
         grad_s = torch.zeros((), dtype=torch.float64, device=device)
-        flags = _kernel_flags(rows.dtype, dim, cfg)
         row_tiles = _cdiv(m_rows, cfg.block_m)
         for c0 in range(0, n_cols, width):
             w = min(width, n_cols - c0)
-            tiles = row_tiles * _cdiv(w, cfg.block_n)
-            partial = torch.empty(tiles, **f32)
-            bwd_kernel[(tiles,)](
-                rows,
-                cols,
-                scale_buf,
-                pos,
-                row_max,
-                row_ll,
-                g_r,
-                col_max if symmetric else row_max,
-                col_ll if symmetric else row_ll,
-                g_c,
-                band,
-                partial,
-                m_rows,
-                dim,
-                rows.stride(0),
-                cols.stride(0),
-                band.stride(0),
-                ctx.offset,
-                c0,
-                w,
-                SYMMETRIC=symmetric,
-                GROUP_M=cfg.group_m,
-                **flags,
-            )
+            partial = torch.empty(row_tiles * _cdiv(w, cfg.block_n), **f32)
+            grid, args, kwargs = _bwd_launch(rows, cols, scale_buf, out_scale, pos, (row_max, row_ll, g_r), col_stats,
+                                             band, partial, ctx.offset, c0, w, symmetric, cfg)
+            bwd_kernel[grid](*args, **kwargs)
             ds = band[:, :w]
             if need_cols:
-                grad_c[c0 : c0 + w] = mm_f32(ds.mT, mm_rows).to(cols.dtype)
+                g = mm_f32(ds.mT, rows)
+                grad_c[c0 : c0 + w] = (g if unscale is None else g.mul_(unscale)).to(cols.dtype)
             if need_rows:
-                addmm_f32_(acc, ds, mm_cols[c0 : c0 + w])
+                addmm_f32_(acc, ds, cols[c0 : c0 + w])
             grad_s += partial.sum(dtype=torch.float64)
-        del band
-        grad_r = acc.to(rows.dtype) if need_rows else None
+        del band, ds  # (the view kept the band alive) before the row gradient's allocation
+        if need_rows:
+            grad_r = (acc if unscale is None else acc.mul_(unscale)).to(rows.dtype)
+        else:
+            grad_r = None
         grad_scale = grad_s.float().reshape(ctx.scale_shape) if need_scale else None
         return grad_r, grad_c, grad_scale, None, None, None
 
@@ -491,3 +575,38 @@ def fused_mode(batch: GatheredBatch, scale: Tensor, bias: Tensor | None, chunk_s
         ce_i2t, ok_i2t = fused_cross_entropy(image, batch.all_text, scale, batch.offset, cfg)
         ce_t2i, ok_t2i = fused_cross_entropy(text, batch.all_image, scale, batch.offset, cfg)
     return with_bias(ModeOutput(ce_i2t, ce_t2i, ok_i2t, ok_t2i), bias)
+
+
+def _time_candidates(argv: list[str] | None = None) -> None:
+    """``python -m recipe.loss.fused``: milliseconds of the symmetric forward and forward + backward
+    for each of :data:`CANDIDATES` (CUDA; ``triton.testing.do_bench`` medians)."""
+    import argparse
+
+    import triton.testing
+
+    parser = argparse.ArgumentParser(description=_time_candidates.__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=65536)
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, y = (torch.nn.functional.normalize(torch.randn(args.batch, args.dim, device="cuda", generator=gen), dim=1)
+            .to(dtype).requires_grad_() for _ in range(2))
+    scale = torch.tensor(100.0, device="cuda", requires_grad=True)
+    for i, cand in enumerate(CANDIDATES["fp32" if dtype == torch.float32 else "16-bit"]):
+        cfg = default_config(dtype, args.dim, candidate=i)
+
+        def fwd(cfg=cfg):
+            return fused_symmetric_cross_entropy(x, y, scale, cfg)
+
+        def fwd_bwd(cfg=cfg):
+            ce_r, ce_c, _, _ = fused_symmetric_cross_entropy(x, y, scale, cfg)
+            (ce_r.sum() + ce_c.sum()).backward()
+
+        print(f"{cand} (BM, BN, BK, warps, stages): fwd {triton.testing.do_bench(fwd):.3f} ms, "
+              f"fwd + bwd {triton.testing.do_bench(fwd_bwd):.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    _time_candidates()

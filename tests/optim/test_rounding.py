@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from optim import stochastic_round
-from optim.rounding import random_bits, random_bits_reference
+from optim.rounding import (
+    _as_i32,
+    _keyed_hash_int,
+    derive_key,
+    key_words,
+    keyed_hash,
+    random_bits,
+    random_bits_reference,
+)
 
 from .sr_reference import FORMATS, assert_neighbours_with_unbiased_mean, neighbours
 
@@ -152,3 +160,71 @@ def test_random_bits_are_uniform() -> None:
     # neighbouring elements are uncorrelated
     c = torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()
     assert abs(c) <= 6 / math.sqrt(n)
+
+
+# ----------------------------------------------------------------------------------------------
+# The noise streams the optimizer uses: one 32-bit hash feeds two 16-bit roundings
+# ----------------------------------------------------------------------------------------------
+def _halves(key: int, n: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    r = random_bits(key, offset, n).to(torch.int64) & 0xFFFFFFFF
+    return (r >> 16).double(), (r & 0xFFFF).double()
+
+
+def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.corrcoef(torch.stack([a, b]))[0, 1].item()
+
+
+def _chi2(counts: torch.Tensor) -> float:
+    expected = counts.sum().item() / counts.numel()
+    return ((counts.double() - expected) ** 2 / expected).sum().item()
+
+
+def test_sixteen_bit_halves_are_uniform_and_independent() -> None:
+    # Bounds: chi-square with 255 degrees of freedom below 255 + 6 * sqrt(2 * 255) (mean + 6 sigma);
+    # correlations of n pairs below 6 / sqrt(n).
+    n = 1 << 20
+    hi, lo = _halves(derive_key(3, 0, 7, 11, 1), n)
+    bound = 255 + 6 * math.sqrt(2 * 255)
+    for half in (hi, lo):
+        assert _chi2(torch.bincount((half / 256).long(), minlength=256)) <= bound
+        assert abs(_corr(half[:-1], half[1:])) <= 6 / math.sqrt(n)  # neighbouring elements
+    joint = (hi / 4096).long() * 16 + (lo / 4096).long()  # 16 x 16 cells of the (exp_avg, exp_avg_sq) pair
+    assert _chi2(torch.bincount(joint, minlength=256)) <= bound
+    assert abs(_corr(hi, lo)) <= 6 / math.sqrt(n)
+
+
+def test_streams_steps_and_tensors_are_uncorrelated() -> None:
+    # The optimizer's keys: derive_key(seed, rank, tensor index, step, stream). The weight stream vs
+    # the statistics stream, step t vs t + 1, and neighbouring tensors draw uncorrelated noise at the
+    # same elements; and no stream is a shifted copy of another (the key enters the hash twice).
+    n = 1 << 18
+    base = (5, 0, 3, 100)
+    ref_hi, ref_lo = _halves(derive_key(*base, 1), n)
+    others = {
+        "weight stream": derive_key(*base[:3], 100, 0),
+        "next step": derive_key(*base[:3], 101, 1),
+        "next tensor": derive_key(5, 0, 4, 100, 1),
+        "other rank": derive_key(5, 1, 3, 100, 1),
+    }
+    for name, key in others.items():
+        hi, lo = _halves(key, n)
+        for a in (ref_hi, ref_lo):
+            for b in (hi, lo):
+                assert abs(_corr(a, b)) <= 6 / math.sqrt(n), name
+    # shifted copies: with the additive first key word a, a plain lowbias32(j + a) would make stream 2
+    # equal stream 1 shifted by a1 - a2; the second key word breaks that
+    k1, k2 = derive_key(1), derive_key(2)
+    (a1, _), (a2, _) = key_words(k1), key_words(k2)
+    shift = (a2 - a1) % (1 << 32)
+    r1 = random_bits(k1, shift, 4096).to(torch.int64) & 0xFFFFFFFF
+    r2 = random_bits(k2, 0, 4096).to(torch.int64) & 0xFFFFFFFF
+    assert int((r1 == r2).sum()) <= 2
+
+
+def test_keyed_hash_matches_its_scalar_definition() -> None:
+    for key in (0, 1, 0xFFFFFFFF, derive_key(9)):
+        a, b = key_words(key)
+        for lo in (0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF):
+            x = torch.tensor([_as_i32(lo)], dtype=torch.int32)
+            got = keyed_hash(x, a, b).item() & 0xFFFFFFFF
+            assert got == _keyed_hash_int(lo, a, b) == random_bits_reference(key, lo)

@@ -53,13 +53,21 @@ def run(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int, star
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_float32_matches_torch_adamw(weight_decay: float) -> None:
+    # The float32 route computes AdamW with its own (IEEE, one square root and one division) order of
+    # operations, so it is compared with float64 AdamW: after 100 steps its error is at most twice
+    # that of torch's float32 AdamW (measured ratio ~1), and it stays within 4e-6 of torch's float32.
     ref, ours = make_params(), make_params()
+    ref64 = [torch.nn.Parameter(p.detach().double()) for p in make_params()]
     kw = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-7, weight_decay=weight_decay)
     run(torch.optim.AdamW(ref, **kw), ref, 100)
+    run(torch.optim.AdamW(ref64, **kw), ref64, 100)
     run(SRAdamW(ours, **kw), ours, 100)
+    err_torch = max((a.double() - r).abs().max().item() for a, r in zip(ref, ref64))
+    err_ours = max((b.double() - r).abs().max().item() for b, r in zip(ours, ref64))
+    assert 0 < err_ours <= 2 * err_torch, (err_ours, err_torch)
     for a, b in zip(ref, ours):
         rel = ((a - b).abs() / a.abs().clamp(min=1e-6)).max().item()
-        assert rel <= 1e-6, rel
+        assert rel <= 4e-6, rel
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -278,7 +286,7 @@ def test_flat_partition_chunking_is_invisible() -> None:
         one = torch.ones(())
         sradamw_update_(
             p, g, m, v, step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-            keys=(derive_key(1), derive_key(2), derive_key(3)), exp_avg_scales=(one, one * 2**-4),
+            keys=(derive_key(1), derive_key(2)), exp_avg_scales=(one, one * 2**-4),
             exp_avg_sq_scales=(one, one * 2**-10), chunk_size=chunk,
         )
         results.append((p, m, v))

@@ -7,10 +7,8 @@ tensors (``gpu`` marker) against the same CPU reference, and the interpreter var
 subprocess without CUDA. Compiling for sm_90 needs no GPU: a subprocess with ``TRITON_INTERPRET=0``
 checks the generated code.
 
-The reference is the PyTorch path (``fused=False``) on the CPU with one substitution (fixture
-``ieee_sqrt``): its float32 square root comes from numpy (IEEE), as the kernel's ``sqrt_rn``.
-Everything else (``lerp`` and ``addcmul`` with a fused multiply-add, the division orders, the noise,
-the rounding decisions, the float16 state scales) is the unmodified PyTorch path.
+The reference is the eager PyTorch path (``fused=False``, the definition in ``optim.functional``) on
+the CPU, unmodified.
 """
 
 from __future__ import annotations
@@ -28,8 +26,9 @@ import torch
 from optim import SRAdamW, _triton, sradamw_update_
 from optim import _sradamw_jit as jit
 from optim import triton_kernel as tk
-from optim._sradamw_jit import INT_WORDS, ROW_WORDS, Slot, Word, fma
-from optim.rounding import _segment_key, derive_key, random_bits, round_with_bits
+from optim._sradamw_jit import INT_WORDS, ROW_WORDS, Slot, Word
+from optim.functional import HYPERPARAMETERS
+from optim.rounding import _segment_word, derive_key, key_words, random_bits, round_with_bits
 
 from .sr_reference import assert_same_bits, assert_same_optimizer_bits
 
@@ -134,7 +133,7 @@ def step_both(ref: SRAdamW, ref_params: list, fused: SRAdamW, dev_params: list, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_optimizer_matches_pytorch_path_bit_exactly(device: str, ieee_sqrt: None, small_blocks: None,
+def test_optimizer_matches_pytorch_path_bit_exactly(device: str, small_blocks: None,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     groups = dtype_groups()
     assert len(groups) == 35
@@ -157,7 +156,7 @@ def test_optimizer_matches_pytorch_path_bit_exactly(device: str, ieee_sqrt: None
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_many_small_tensors_take_one_launch(device: str, ieee_sqrt: None, small_blocks: None,
+def test_many_small_tensors_take_one_launch(device: str, small_blocks: None,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(1)
     sizes = [int(s) for s in torch.randint(1, 90, (40,), generator=gen)] + [BLOCK, BLOCK + 1, 3 * BLOCK - 1]
@@ -198,65 +197,30 @@ def edge_values(n_random: int = 92) -> torch.Tensor:
 @needs_triton
 @on_cpu
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
-def test_rounding_decisions_equal_round_with_bits(state_dtype: torch.dtype, ieee_sqrt: None) -> None:
+def test_rounding_decisions_equal_round_with_bits(state_dtype: torch.dtype) -> None:
     # beta1 = 0 makes m = g exactly, so the stored first moment is round_with_bits(g) with the
     # exp_avg key; v = g*g/2 overflows to inf for the largest gradients (kept as inf).
     g = edge_values()
     n = g.numel()
-    keys = (derive_key(1), derive_key(2), derive_key(3))
+    keys = (derive_key(1), derive_key(2))
     kw = dict(step=1, lr=0.0, beta1=0.0, beta2=0.5, eps=1e-8, weight_decay=0.0, keys=keys)
     ref = [torch.zeros(n), g, torch.zeros(n, dtype=state_dtype), torch.zeros(n, dtype=state_dtype)]
     out = [t.clone() for t in ref]
     sradamw_update_(*ref, **kw)
     tk.sradamw_update_fused_(*out, block_size=BLOCK, **kw)
-    assert_same_bits(out[2], round_with_bits(g, state_dtype, random_bits(keys[1], 0, n)), "exp_avg vs round_with_bits")
+    m_exact = g + 0.0  # m * 0 + g * 1: exactly g, except -0 + 0 = +0 (IEEE)
+    assert_same_bits(out[2], round_with_bits(m_exact, state_dtype, random_bits(keys[1], 0, n)), "exp_avg vs round_with_bits")
     assert_same_bits(out[2], ref[2], "exp_avg")
     assert_same_bits(out[3], ref[3], "exp_avg_sq")
     finfo = torch.finfo(state_dtype)
     assert bool((out[2].float().abs() == finfo.max).any()) and not bool(torch.isinf(out[2].float()).any())  # saturation
     assert bool(torch.isinf(out[3].float()).any())  # inf stays inf
-    assert torch.signbit(out[2][300].float()) and out[2][300] == 0  # -0 kept
-
-
-if HAVE_TRITON:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _fma_probe(a_ptr, b_ptr, c_ptr, out_ptr, EMULATE: tl.constexpr, N: tl.constexpr):
-        offs = tl.arange(0, N)
-        a, b, c = tl.load(a_ptr + offs), tl.load(b_ptr + offs), tl.load(c_ptr + offs)
-        tl.store(out_ptr + offs, fma(a, b, c, EMULATE))
+    assert not torch.signbit(out[2][300].float()) and out[2][300] == 0  # the -0 gradient's m is +0
 
 
 @needs_triton
 @on_cpu
-def test_interpreter_fma_is_single_rounding() -> None:
-    # Crafted double-rounding cases: a*b + c = 1 + 2**-24 + 2**-60 lies just above the midpoint of 1
-    # and 1 + 2**-23; float64 rounding then float32 rounding ties to 1.0, one rounding gives
-    # 1 + 2**-23. Reference: torch's CPU addcmul, which is a fused multiply-add (c + (1 * a) * b).
-    t = 2.0**-18
-    crafted = [(-(1 - t), 2.0**-24 * (1 + t), 1 + 2.0**-23), ((1 - t), -(2.0**-24) * (1 + t), -(1 + 2.0**-23))]
-    crafted += [(1 - t, 2.0**-24 * (1 + t), 1.0), (1 + t, 2.0**-24 * (1 - t), 1.0)]  # just below midpoints
-    gen = torch.Generator().manual_seed(9)
-    n = 256
-    a = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-60, 60, (n,), generator=gen).float())
-    b = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-60, 60, (n,), generator=gen).float())
-    c = torch.where(torch.rand(n, generator=gen) < 0.5, -(a * b) * (1 + 2.0**-20), torch.randn(n, generator=gen))
-    c[:8] = torch.randn(8, generator=gen) * 1e-40  # subnormal addends
-    for i, (x, y, z) in enumerate(crafted):
-        a[i + 8], b[i + 8], c[i + 8] = x, y, z
-    out = torch.empty(n)
-    _fma_probe[(1,)](a, b, c, out, EMULATE=True, N=n)
-    assert out[8].item() == 1 + 2.0**-23 and out[9].item() == -(1 + 2.0**-23)
-    assert_same_bits(out, torch.addcmul(c, a, b))
-    plain = (a.double() * b.double() + c.double()).float()  # the naive double rounding differs here
-    assert not torch.equal(plain[8:10], out[8:10])
-
-
-@needs_triton
-@on_cpu
-def test_noise_index_is_64_bit(ieee_sqrt: None) -> None:
+def test_noise_index_is_64_bit() -> None:
     # index_offset places element 0 anywhere in the noise space: across 2**31 and 2**32 and far
     # beyond, the stored values equal the PyTorch path's float32 results rounded with
     # random_bits(key, offset, n) (the reference float32 results come from a float32 master and
@@ -267,7 +231,7 @@ def test_noise_index_is_64_bit(ieee_sqrt: None) -> None:
     g = torch.randn(n, generator=gen).to(torch.bfloat16)
     m0 = (torch.randn(n, generator=gen) * 0.1).to(torch.bfloat16)
     v0 = (torch.rand(n, generator=gen) * 0.1).to(torch.bfloat16)
-    keys = (derive_key(5), derive_key(6), derive_key(7))
+    keys = (derive_key(5), derive_key(6))
     kw = dict(step=4, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, keys=keys)
     master, m32, v32 = p0.float(), m0.float(), v0.float()
     sradamw_update_(p0.clone(), g, m32, v32, master=master, **kw)
@@ -276,20 +240,22 @@ def test_noise_index_is_64_bit(ieee_sqrt: None) -> None:
         tk.sradamw_update_fused_(p, g, m, v, index_offset=offset, block_size=BLOCK, **kw)
         ref = [p0.clone(), g, m0.clone(), v0.clone()]
         sradamw_update_(*ref, index_offset=offset, chunk_size=BLOCK + 3, **kw)
-        for got, exact, key, pytorch in zip((p, m, v), (master, m32, v32), keys, (ref[0], ref[2], ref[3])):
-            expected = round_with_bits(exact, torch.bfloat16, random_bits(key, offset, n))
+        state_bits = random_bits(keys[1], offset, n)  # high half: exp_avg, low half: exp_avg_sq
+        noise = (random_bits(keys[0], offset, n), state_bits, state_bits << 16)
+        for got, exact, bits, pytorch in zip((p, m, v), (master, m32, v32), noise, (ref[0], ref[2], ref[3])):
+            expected = round_with_bits(exact, torch.bfloat16, bits)
             assert_same_bits(got, expected, f"offset {offset}")
             assert_same_bits(got, pytorch, f"offset {offset}, PyTorch path")
 
 
 @needs_triton
 @on_cpu
-def test_found_inf_flag_and_grad_multiplier_tensor(ieee_sqrt: None) -> None:
+def test_found_inf_flag_and_grad_multiplier_tensor() -> None:
     n = 300
     gen = torch.Generator().manual_seed(5)
     p0 = torch.randn(n, generator=gen).to(torch.float16)
     g = (torch.randn(n, generator=gen) * 256).to(torch.float16)
-    keys = (derive_key(8), derive_key(9), derive_key(10))
+    keys = (derive_key(8), derive_key(9))
     kw = dict(step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, keys=keys)
     state = [torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)]
     p = p0.clone()
@@ -305,10 +271,10 @@ def test_found_inf_flag_and_grad_multiplier_tensor(ieee_sqrt: None) -> None:
 
 @needs_triton
 @on_cpu
-def test_non_contiguous_unaligned_and_mixed_grad_dtypes(ieee_sqrt: None) -> None:
+def test_non_contiguous_unaligned_and_mixed_grad_dtypes() -> None:
     gen = torch.Generator().manual_seed(6)
     base = torch.randn(3 * 301, generator=gen).to(torch.bfloat16)
-    keys = (derive_key(11), derive_key(12), derive_key(13))
+    keys = (derive_key(11), derive_key(12))
     kw = dict(step=2, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, keys=keys)
 
     def layouts() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -368,7 +334,7 @@ def test_fused_none_keeps_cpu_tensors_on_the_pytorch_path(monkeypatch: pytest.Mo
 )
 def test_functional_arguments_are_validated(change: dict, match: str) -> None:
     z = torch.zeros(4)
-    kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, keys=(1, 2, 3))
+    kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, keys=(1, 2))
     grad = change.pop("grad", z)
     with pytest.raises(ValueError, match=match):
         tk.sradamw_update_fused_(z.clone(), grad, z.clone(), z.clone(), **kw, **change)
@@ -382,7 +348,7 @@ def test_metadata_rows_are_filled_by_name() -> None:
     p, g, w = torch.randn(7, generator=gen).half(), torch.randn(7, generator=gen).half(), torch.zeros(7)
     m, v = torch.zeros(7, dtype=torch.float16), torch.zeros(7, dtype=torch.float16)
     scales = [torch.tensor(2.0**k) for k in range(4)]
-    keys = (derive_key(1), derive_key(2), derive_key(3))
+    keys = (derive_key(1), derive_key(2))
     s = tk.TensorStep(p, g, m, v, step=3, lr=1e-2, beta1=0.6, beta2=0.99, eps=1e-6, weight_decay=0.5, keys=keys,
                       master=w, exp_avg_scales=(scales[0], scales[1]), exp_avg_sq_scales=(scales[2], scales[3]),
                       clamp=(-1.0, 2.0), index_offset=5 << 33)
@@ -393,20 +359,23 @@ def test_metadata_rows_are_filled_by_name() -> None:
                Word.M_SCALE_NEW: scales[1], Word.V_SCALE_OLD: scales[2], Word.V_SCALE_NEW: scales[3]}
     for word, t in tensors.items():
         assert row[word] == t.data_ptr(), word
-    assert (row[Word.NUMEL], row[Word.NOISE_BASE], row[Word.LERP_SMALL]) == (7, 5 << 33, 1)
-    salts = (Word.SALT_P, Word.SALT_M, Word.SALT_V)
-    for key_word, salt_word, key in zip((Word.KEY_P, Word.KEY_M, Word.KEY_V), salts, keys):
-        assert row[key_word] == key and row[salt_word] == _segment_key(key, 0)  # high half 0: the key-only part
+    assert (row[Word.NUMEL], row[Word.NOISE_BASE]) == (7, 5 << 33)
+    for (a_word, b_word), key in zip(((Word.A_P, Word.B_P), (Word.A_S, Word.B_S)), keys):
+        a, b = key_words(key)
+        assert (row[a_word], row[b_word]) == (a, b)  # the kernel adds the index's high half to a
+        assert _segment_word(a, 0) == a
     floats = table[0, INT_WORDS:].view(torch.float32).tolist()
 
     def f32(x: float) -> float:
         return torch.tensor(x, dtype=torch.float32).item()
 
+    bc2 = math.sqrt(1 - 0.99**3)
     expected = {
-        Slot.DECAY: 1 - 1e-2 * 0.5, Slot.LERP: 1 - 0.6, Slot.BETA2: 0.99, Slot.ONE_MINUS_BETA2: 1 - 0.99,
-        Slot.BC2_SQRT: math.sqrt(1 - 0.99**3), Slot.EPS: 1e-6, Slot.NEG_STEP: -1e-2 / (1 - 0.6**3),
+        Slot.DECAY: 1 - 1e-2 * 0.5, Slot.BETA1: 0.6, Slot.ONE_MINUS_BETA1: 1 - 0.6, Slot.BETA2: 0.99,
+        Slot.ONE_MINUS_BETA2: 1 - 0.99, Slot.EPS_HAT: 1e-6 * bc2, Slot.NEG_STEP: -1e-2 * bc2 / (1 - 0.6**3),
         Slot.GRAD_MUL: 0.25, Slot.CLAMP_MIN: -1.0, Slot.CLAMP_MAX: 2.0,
     }
+    assert [slot.name.lower() for slot in Slot] == list(HYPERPARAMETERS)
     assert {slot: floats[slot] for slot in Slot} == {slot: f32(x) for slot, x in expected.items()}
     if HAVE_TRITON:  # the kernel's constexpr globals carry the same names and positions
         for member in (*Word, *Slot):
@@ -435,7 +404,7 @@ variants = {  # name: (kinds of p, g, m, v; master and float16 state scales; rou
 report = {}
 for name, (kinds, state, rounding, aligned) in variants.items():
     consts = dict(zip(("P_KIND", "G_KIND", "M_KIND", "V_KIND"), map(int, kinds)), **state, **rounding, GMUL=2,
-                  CLAMP=False, HAS_SKIP=True, ALIGNED=aligned, EMULATE_FMA=False, BLOCK=tk.DEFAULT_BLOCK)
+                  CLAMP=False, HAS_SKIP=True, ALIGNED=aligned, BLOCK=tk.DEFAULT_BLOCK)
     sig = {a: "constexpr" if a in consts else {"table_ptr": "*i64", "blocks_ptr": "*i32"}.get(a, "*fp32")
            for a in sradamw_kernel.arg_names}
     kernel = triton.compile(ASTSource(fn=sradamw_kernel, signature=sig, constexprs=consts),
@@ -467,8 +436,9 @@ def test_kernel_compiles_for_sm90_without_a_gpu() -> None:
     ptxas, no device needed) with the default block and warps. Full blocks must move 16-bit tensors
     in 8-byte and float32 tensors in 16-byte vectors (4 elements per thread) when the pointers are
     16-byte aligned, and not without that hint; aligned groups keep to 64 registers (two programs
-    of 16 warps per SM) and spill nothing, except one register (4 bytes) in the bfloat16 group with
-    three stochastic-rounding streams; the only fused multiply-adds are the kernel's two explicit ones."""
+    of 16 warps per SM) and spill nothing; no product is contracted into a fused multiply-add (the
+    definition rounds every operation; ``sqrt_rn``/``div_rn`` use FMA only inside their IEEE
+    sequences, which PTX keeps as ``sqrt.rn``/``div.rn``)."""
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
     res = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
@@ -478,8 +448,8 @@ def test_kernel_compiles_for_sm90_without_a_gpu() -> None:
     assert per_thread == 4
     for name, r in report.items():
         assert r["cubin"] > 0, name
-        assert r["fma"] == 2 * per_thread * 2, (name, r)  # 2 per element, full and partial block variants
-        assert r["spill_stores"] <= (4 if name == "bf16" else 0), (name, r)
+        assert r["fma"] == 0, (name, r)
+        assert r["spill_stores"] == 0, (name, r)
         assert r["regs"] <= 64 or name == "bf16-unaligned", (name, r)
     vectors = {n: (r["ld_v2"], r["st_v2"], r["ld_v4"], r["st_v4"]) for n, r in report.items()}
     # (8-byte loads, 8-byte stores, 16-byte loads, 16-byte stores): g, p or master, m, v read; p, m, v
@@ -513,7 +483,7 @@ def test_tensor_beyond_2_31_elements_on_gpu() -> None:
     n = (1 << 31) + 5000
     if torch.cuda.get_device_properties(0).total_memory < 24 * n:
         pytest.skip("needs ~24 bytes per element of GPU memory")
-    keys = (derive_key(21), derive_key(22), derive_key(23))
+    keys = (derive_key(21), derive_key(22))
     kw = dict(step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, keys=keys)
     lo, hi = (1 << 31) - 3000, n
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -15,7 +15,8 @@ reference entry; scale gradient: relative):
 * fp32 features: 5e-6, 1e-5, 2e-5 (fp32 rounding of the logits, exponentials and sums);
 * bf16 features: 5e-6 (the logits of bf16 inputs are exact products summed in fp32), 1.5e-2 (bf16
   gradients, bf16 ``dS`` in the gradient matmuls), 2e-5;
-* fp16 features: 5e-6, 2e-3 (fp16 gradients: rounding 2^-11; ``dS`` stays fp32), 2e-5.
+* fp16 features: 5e-6, 2e-3 (fp16 gradients: rounding 2^-11; fp16 ``dS``, range-scaled by a power
+  of two, rounding 2^-11), 2e-5.
 On the GPU (longer dot products, ``ex2.approx`` exponentials) the tolerances of tests/test_loss.py's
 CUDA test apply: loss 1e-5, feature gradients 2e-5 / 1.5e-2 / 3e-3, scale gradient 1e-4.
 The bias gradient is exactly zero (softmax cross-entropy is shift invariant).
@@ -42,12 +43,12 @@ ROOT = Path(__file__).resolve().parents[3]
 
 if not CUDA:  # read when the kernels are decorated (optim._triton would set it too)
     os.environ["TRITON_INTERPRET"] = "1"
-from optim import _triton  # noqa: E402
-from recipe.loss import fused as lk  # noqa: E402
-from recipe.loss import ClipLoss  # noqa: E402
+from optim import _triton
+from recipe.loss import ClipLoss
+from recipe.loss import fused as lk
 
 from ...clip_reference import LargestTensor, assert_grad_close, clip_reference
-from ...dist_utils import run_distributed  # noqa: E402
+from ...dist_utils import run_distributed
 
 HAVE_TRITON = _triton.is_available()
 INTERPRETED = HAVE_TRITON and lk.interpreting()
@@ -258,7 +259,8 @@ def test_loss_imports_triton_lazily_and_fails_clearly_without_it() -> None:
         "print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 
 
@@ -267,32 +269,31 @@ import json, os
 os.environ["TRITON_INTERPRET"] = "0"
 import torch, triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from recipe.loss import fused as lk, fused_kernels as fk
+from triton.compiler import ASTSource, make_backend
+try:  # Triton's own binder: the specialisation JITFunction.run computes for these arguments
+    from triton.runtime.jit import create_function_from_signature
+except ImportError as exc:
+    print(json.dumps({"skip": f"this Triton has no create_function_from_signature: {exc}"}))
+    raise SystemExit(0)
+from recipe.loss import fused as lk
 assert not lk.interpreting()
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
 report = []
 for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
-    cfg = lk.default_config(dtype, 1024)
-    flags = lk._kernel_flags(dtype, 1024, cfg)
-    launch = {"num_warps": flags.pop("num_warps"), "num_stages": flags.pop("num_stages")}
-    for fn, flag in ((fk.fwd_kernel, "COL_STATS"), (fk.bwd_kernel, "SYMMETRIC")):
-        for on in (True, False):
-            consts = dict(flags, **{flag: on}, **({"GROUP_M": cfg.group_m} if fn is fk.bwd_kernel else {}))
-            sig, hints = {}, []
-            for i, arg in enumerate(fn.arg_names):  # launches specialise 16-divisible pointers/strides
-                if arg in consts:
-                    sig[arg] = "constexpr"
-                elif arg.endswith("_ptr"):
-                    own = arg in ("a_ptr", "b_ptr") or (arg == "ds_ptr" and name == "bf16")
-                    sig[arg], hints = "*" + (name if own else "fp32"), hints + [i]
-                else:
-                    sig[arg] = "i32"
-                    hints += [i] if arg == "D" or arg.startswith("stride") else []
-            src = ASTSource(fn=fn, signature=sig, constexprs=consts,
-                            attrs={(i,): [["tt.divisibility", 16]] for i in hints})
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch)
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(4096, 1024, generator=gen).to(dtype) for _ in range(2))
+    for symmetric in (True, False):  # world size 1; a row block (local rows against gathered columns)
+        a, offset = (x, 0) if symmetric else (x[:2048], 2048)
+        launches = lk.launch_arguments(a, y, symmetric=symmetric, offset=offset, programs=4 * 132)
+        for which, (fn, grid, args, kwargs) in launches.items():
+            kwargs = dict(kwargs, debug=False)
+            binder = create_function_from_signature(fn.signature, fn.params, backend)
+            bound, specialization, options = binder(*args, **kwargs)
+            options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+            kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=target, options=options.__dict__)
             ptx = kernel.asm["ptx"]
-            report.append([name, fn.__name__, on, "wgmma.mma_async" in ptx, "cp.async" in ptx,
+            report.append([name, which, symmetric, "wgmma.mma_async" in ptx, "cp.async" in ptx,
                            len(kernel.asm["cubin"]) > 0])
 print(json.dumps(report))
 """
@@ -301,17 +302,21 @@ print(json.dumps(report))
 @pytest.mark.skipif(not HAVE_TRITON, reason=f"Triton is not importable: {_triton.unavailable_reason()}")
 def test_kernels_compile_for_sm90_without_a_gpu() -> None:
     """The interpreter does not lower the kernels: compile every variant for sm_90 (Triton's own
-    compiler and ptxas, no device needed) with the default configurations; 16-bit variants must use
-    ``wgmma`` tensor-core instructions, all must pipeline their operand loads (``cp.async``)."""
+    compiler and ptxas, no device needed) with the runtime's exact launches
+    (:func:`recipe.loss.fused.launch_arguments`: default configurations, argument specialisation
+    by Triton's binder, an H200's 132 SMs); 16-bit variants must use ``wgmma`` tensor-core
+    instructions, all must pipeline their operand loads (``cp.async``)."""
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], check=False, cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
+    if isinstance(report, dict):
+        pytest.skip(report["skip"])
     assert len(report) == 12
-    for dtype, kernel, flag, wgmma, pipelined, cubin in report:
-        assert cubin and pipelined, (dtype, kernel, flag)
-        assert wgmma == (dtype != "fp32"), (dtype, kernel, flag)
+    for dtype, kernel, symmetric, wgmma, pipelined, cubin in report:
+        assert cubin and pipelined, (dtype, kernel, symmetric)
+        assert wgmma == (dtype != "fp32"), (dtype, kernel, symmetric)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -358,7 +363,7 @@ def _dist_worker(rank: int, world: int) -> dict:
     return results
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dist_results() -> list[dict]:
     return run_distributed(_dist_worker, 2, env={"TRITON_INTERPRET": "1"}, timeout_s=240)
 
@@ -457,6 +462,6 @@ def test_interpreter_variant_in_subprocess() -> None:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not gpu", "-p", "no:cacheprovider", str(Path(__file__))],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert res.returncode == 0, res.stdout[-3000:]

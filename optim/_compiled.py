@@ -1,0 +1,111 @@
+"""The CPU fast path: :func:`optim.functional.update_block_` compiled by ``torch.compile`` into one loop.
+
+The eager PyTorch path runs the update as ~60 element-wise passes over memory (the noise hash and the
+rounding are integer operations); Inductor fuses the same function into one vectorised C++ loop per
+dtype route. The function is the definition itself, so the results are the eager path's bit for bit
+(tests/optim/test_compiled.py): every per-step value (hyperparameters, key words, noise index,
+scales, skip flag) is a tensor argument, so one compilation per route serves every tensor and step
+(the tensor length is dynamic); Inductor on the CPU rounds every float32 product and sum separately,
+as the definition does, and its vector square root is the IEEE one.
+
+``torch.compile`` needs a C++ compiler; :func:`available` says whether compiling works here (tried
+once, on a tiny tensor) and :func:`unavailable_reason` why not. ``SRAdamW`` then falls back to the
+eager path.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .functional import (
+    _M32,
+    TensorStep,
+    _as_i32,
+    _skip_mask,
+    rounding_flags,
+    segment_words,
+    segments,
+    step_tensors,
+    update_block_,
+)
+
+__all__ = ["compiled_updates_", "available", "unavailable_reason"]
+
+#: One call handles up to this many elements (the noise index's low half must not wrap inside it).
+MAX_BLOCK = 1 << 31
+
+_FNS: dict[tuple, Any] = {}
+_ERROR: str | None = None
+_LOCK = threading.Lock()
+
+
+def _compiled(route: tuple) -> Any:
+    """The compiled update of one route (dtypes and flags). Each route gets its own copy of the
+    function's code object, so Dynamo's per-code recompilation limit counts routes separately (one
+    shared code object would hit it after eight routes) and no global Dynamo setting is changed."""
+    fn = _FNS.get(route)
+    if fn is None:
+        with _LOCK:
+            fn = _FNS.get(route)
+            if fn is None:
+                code = update_block_.__code__.replace(co_name=f"update_block_{len(_FNS)}")
+                copy = types.FunctionType(code, update_block_.__globals__, code.co_name,
+                                          update_block_.__defaults__, update_block_.__closure__)
+                copy.__kwdefaults__ = update_block_.__kwdefaults__
+                fn = _FNS[route] = torch.compile(copy, dynamic=True, fullgraph=True)
+    return fn
+
+
+def available() -> bool:
+    """Whether ``torch.compile`` builds the update on this machine (checked once, on 16 elements)."""
+    global _ERROR
+    if _ERROR is None:
+        try:
+            p = torch.zeros(16, dtype=torch.bfloat16)
+            s = TensorStep(p, torch.ones_like(p), torch.zeros_like(p), torch.zeros_like(p), step=1, lr=1e-3,
+                           beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, keys=(1, 2))
+            compiled_updates_([s])
+            _ERROR = ""
+        except Exception as exc:  # noqa: BLE001 - no compiler, unsupported platform...
+            _ERROR = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    return _ERROR == ""
+
+
+def unavailable_reason() -> str:
+    """Why the compiled path cannot run here ("" when it can)."""
+    available()
+    return _ERROR or ""
+
+
+def compiled_updates_(
+    specs: Sequence[TensorStep],
+    *,
+    grad_mul: torch.Tensor | float | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """Applies one step to each tensor with the compiled update (CPU tensors)."""
+    skip = _skip_mask(found_inf)
+    for s in specs:
+        param = s.param if s.param.is_contiguous() else s.param.contiguous()
+        device = param.device
+        hp, m_scales, v_scales, gmul = step_tensors(s, grad_mul, device)
+        sr_p, sr_m, sr_v = rounding_flags(s)
+        flat = [t.reshape(-1) if t is s.grad else (t.view(-1) if t is not None else None)
+                for t in (param, s.grad, s.exp_avg, s.exp_avg_sq, s.master)]
+        route = (*(t.dtype if t is not None else None for t in flat), m_scales is None, v_scales is None,
+                 gmul is None, skip is None, sr_p, sr_m, sr_v, s.clamp is not None)
+        fn = _compiled(route)
+        for start, length in segments(s.index_offset, param.numel(), MAX_BLOCK):
+            at = s.index_offset + start
+            words = torch.tensor(segment_words(s.keys, at >> 32), dtype=torch.int32, device=device)
+            lo0 = torch.tensor(_as_i32(at & _M32), dtype=torch.int32, device=device)
+            whole = start == 0 and length == param.numel()
+            block = flat if whole else [t[start:start + length] if t is not None else None for t in flat]
+            fn(*block, hp, words, lo0, m_scales, v_scales, gmul, skip, sr_p, sr_m, sr_v, s.clamp is not None)
+        if param is not s.param:
+            s.param.copy_(param)
