@@ -23,6 +23,11 @@ Time: median wall time of ``--repeats`` forward+backward passes after ``--warmup
 synchronised before and after each pass); on CPU also the median process CPU time of a pass, which
 tells a busy machine (wall >> CPU / threads) from a slow implementation. On a shared machine use
 ``--threads 1``: oversubscribed OpenMP threads slow the many small ops of the chunked mode most.
+On the CPU the timed passes are interleaved by default (``--interleave``: one pass of each
+implementation per round, rounds repeated), so that load changes on a shared machine hit every
+implementation alike; ``--no-interleave`` times each implementation's passes back to back as on CUDA.
+The "x open_clip" columns are each row's time (CPU time on the CPU, where it is robust to other
+processes; wall time on CUDA) and peak extra memory over open_clip's at the same ``B`` and ``D``.
 
 Peak memory "beyond the inputs" (the inputs being the two ``B x D`` feature tensors and the scale)
 is measured over one forward+backward pass after the warm-up (so that one-time costs such as
@@ -40,6 +45,7 @@ The loss column shows that all implementations compute the same value.
 
 Usage:
     python benchmarks/bench_loss.py                                  # CPU: B 1024..4096, D 256, fp32
+    python benchmarks/bench_loss.py --threads 1 --dtype float32 bfloat16 --dim 256 512   # CPU, issue 17
     python benchmarks/bench_loss.py --device cuda                    # B 8192..1048576, D 512,1024, bf16
     python benchmarks/bench_loss.py --batch 2048 --dim 512 --dtype bfloat16 --chunk-size 256 1024
     python benchmarks/bench_loss.py --device cuda --impls fused --batch 32768 --dim 1024 \
@@ -71,6 +77,10 @@ MIB = 2**20
 
 
 IMPLS = ("plain", "chunked", "fused", "open_clip")
+#: Default chunk size of the chunked rows on the CPU (issue 17): as fast as 512 with fp32 features
+#: (5-10 % slower with bf16) at a smaller footprint, the only edge that keeps bf16 near 0.3x
+#: open_clip's peak extra memory at B = 1024 (512: 0.6-1.2x there).
+CPU_CHUNK = 256
 
 
 def _fused_with_tiles(spec: str, dtype: torch.dtype, dim: int) -> LossFn:
@@ -164,31 +174,23 @@ def run_once(fn: LossFn, image, text, scale) -> float:
     return float(loss.detach())
 
 
-def measure(
-    fn: LossFn,
-    inputs,
-    device: torch.device,
-    warmup: int,
-    repeats: int,
-    cpu_rss: CpuPeakRss,
-    time_budget_s: float = float("inf"),
-):
-    """Returns ``(median wall ms, median process CPU ms, peak extra MiB or None, loss, passes)``.
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
-    The timed passes are at most ``repeats`` and at most what fits in ``time_budget_s`` at the
-    speed of the last warm-up pass (at least one).
+
+def warm_and_peak(fn: LossFn, inputs, device: torch.device, warmup: int, cpu_rss: CpuPeakRss):
+    """Warm-up passes, then one pass measuring the peak extra memory.
+
+    Returns ``(peak extra MiB or None, loss, seconds of the last warm-up pass or None)``.
     """
     pass_s = None
     for _ in range(warmup):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _sync(device)
         t0 = time.perf_counter()
         run_once(fn, *inputs)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _sync(device)
         pass_s = time.perf_counter() - t0
-    if pass_s is not None:
-        repeats = max(1, min(repeats, int(time_budget_s / max(pass_s, 1e-9))))
     for t in inputs:
         t.grad = None
     gc.collect()
@@ -205,17 +207,77 @@ def measure(
             cpu_rss.start()
         loss = run_once(fn, *inputs)
         peak = cpu_rss.stop_mib() if cpu_rss.available else None
-    times, cpu_times = [], []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0, c0 = time.perf_counter(), time.process_time()
-        run_once(fn, *inputs)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-        cpu_times.append((time.process_time() - c0) * 1e3)
+    return peak, loss, pass_s
+
+
+def timed_pass(fn: LossFn, inputs, device: torch.device) -> tuple[float, float]:
+    """``(wall ms, process CPU ms)`` of one forward+backward pass."""
+    _sync(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    run_once(fn, *inputs)
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+
+
+def measure(
+    fn: LossFn,
+    inputs,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    cpu_rss: CpuPeakRss,
+    time_budget_s: float = float("inf"),
+):
+    """Returns ``(median wall ms, median process CPU ms, peak extra MiB or None, loss, passes)``.
+
+    The timed passes are at most ``repeats`` and at most what fits in ``time_budget_s`` at the
+    speed of the last warm-up pass (at least one).
+    """
+    peak, loss, pass_s = warm_and_peak(fn, inputs, device, warmup, cpu_rss)
+    if pass_s is not None:
+        repeats = max(1, min(repeats, int(time_budget_s / max(pass_s, 1e-9))))
+    times, cpu_times = zip(*(timed_pass(fn, inputs, device) for _ in range(repeats)))
     return statistics.median(times), statistics.median(cpu_times), peak, loss, repeats
+
+
+def measure_interleaved(
+    fns: dict[str, LossFn],
+    inputs,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    cpu_rss: CpuPeakRss,
+    time_budget_s: float = float("inf"),
+) -> dict[str, tuple]:
+    """:func:`measure` for several implementations whose timed passes alternate (one pass of each per
+    round), so that a load change on a shared machine hits all of them alike. The number of rounds is
+    cut so that they fit in ``time_budget_s`` times the number of implementations.
+
+    Returns name -> ``(median wall ms, median CPU ms, peak MiB or None, loss, passes)`` or the
+    exception an implementation raised in its warm-up.
+    """
+    warm: dict[str, tuple] = {}
+    out: dict[str, tuple | BaseException] = {}
+    for name, fn in fns.items():
+        try:
+            warm[name] = warm_and_peak(fn, inputs, device, warmup, cpu_rss)
+        except (RuntimeError, MemoryError) as err:
+            out[name] = err
+        finally:
+            for t in inputs:
+                t.grad = None
+            gc.collect()
+    total_s = sum(w[2] or 0.0 for w in warm.values())
+    if total_s > 0:
+        repeats = max(1, min(repeats, int(time_budget_s * max(1, len(warm)) / total_s)))
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in warm}
+    for _ in range(repeats):
+        for name in warm:
+            times[name].append(timed_pass(fns[name], inputs, device))
+    for name, (peak, loss, _) in warm.items():
+        wall, cpu = zip(*times[name])
+        out[name] = (statistics.median(wall), statistics.median(cpu), peak, loss, repeats)
+    return out
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -236,7 +298,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, nargs="+", help="global batch sizes B (world size 1)")
     parser.add_argument("--dim", type=int, nargs="+", help="embedding dims D")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", nargs="+", choices=["float32", "bfloat16", "float16"], help="feature dtypes (one table each)"
+    )
     parser.add_argument(
         "--impls", nargs="+", choices=IMPLS, help="implementations (default: all; on the CPU all but fused)"
     )
@@ -253,6 +317,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-pass-s", type=float, help="skip rows predicted slower than this per pass")
     parser.add_argument("--matmul-tflops", type=float, help="matmul rate for the FLOP floor (default: measured)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads on CPU")
+    parser.add_argument(
+        "--interleave",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="alternate the implementations' timed passes (default: on the CPU)",
+    )
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -261,15 +331,24 @@ def main(argv: list[str] | None = None) -> None:
         [8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576] if gpu else [1024, 2048, 4096]
     )
     dims = args.dim or ([512, 1024] if gpu else [256])
-    dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
-    chunks = args.chunk_size or ([4096] if gpu else [512])
+    dtypes = [getattr(torch, d) for d in (args.dtype or ["bfloat16" if gpu else "float32"])]
+    chunks = args.chunk_size or ([4096] if gpu else [CPU_CHUNK])
     repeats = args.repeats or (10 if gpu else 3)
     max_pass_s = args.max_pass_s or (60.0 if gpu else 120.0)
     names = tuple(args.impls or (IMPLS if gpu else tuple(n for n in IMPLS if n != "fused")))
+    interleave = (not gpu) if args.interleave is None else args.interleave
     if args.threads:
         torch.set_num_threads(args.threads)
 
     cpu_rss = CpuPeakRss()
+    for dtype in dtypes:
+        _table(args, device, dtype, batches, dims, chunks, repeats, max_pass_s, names, interleave, cpu_rss)
+        print()
+
+
+def _table(args, device, dtype, batches, dims, chunks, repeats, max_pass_s, names, interleave, cpu_rss) -> None:
+    """Measures and prints one dtype's table."""
+    gpu = device.type == "cuda"
     if args.matmul_tflops:
         tflops, how = args.matmul_tflops, "given"
     else:
@@ -279,61 +358,84 @@ def main(argv: list[str] | None = None) -> None:
     else:
         name = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
         mem_method = "peak RSS (VmHWM) growth" if cpu_rss.available else "n/a"
+    order = "interleaved rounds" if interleave else "consecutive passes"
     print(
         f"# bench_loss: {name}; torch {torch.__version__}; triton {_triton_version()}; "
         f"{datetime.date.today().isoformat()}; dtype {str(dtype).removeprefix('torch.')}; world size 1; "
-        f"fwd+bwd median of up to {repeats} (time budget {args.time_budget_s:g} s per row); "
+        f"fwd+bwd median of up to {repeats} ({order}; time budget {args.time_budget_s:g} s per row); "
         f"memory = {mem_method} beyond the inputs; FLOP floor 8 B^2 D at {tflops:.3g} TFLOP/s ({how})\n"
     )
     cpu_col = "" if gpu else " CPU ms |"
-    print(f"| B | D | implementation | fwd+bwd ms |{cpu_col} floor ms | x floor | peak extra MiB | loss |")
-    print("|---:|---:|---|---:|" + ("" if gpu else "---:|") + "---:|---:|---:|---:|")
-    blank = f"{cpu_col and ' |'} | | |"
+    print(
+        f"| B | D | implementation | fwd+bwd ms |{cpu_col} floor ms | x floor | peak extra MiB | loss "
+        "| x open_clip time | x open_clip mem |"
+    )
+    print("|---:|---:|---|---:|" + ("" if gpu else "---:|") + "---:|---:|---:|---:|---:|---:|")
+    blank = f"{cpu_col and ' |'} | | | | |"
     for dim in dims:
         impls = implementations(chunks, names, tuple(args.fused_tiles), dtype, dim)
         last: dict[str, tuple[int, float]] = {}  # impl -> (B, pass seconds) of its last measured row
         oom_at: dict[str, int] = {}
         for batch in batches:
             floor_ms = 8 * batch**2 * dim / (tflops * 1e12) * 1e3
-            inputs = None
+            rows: list[tuple[str, str | tuple]] = []  # (impl, message or measurement), printed at the end
+            runnable: dict[str, LossFn] = {}
             for impl, fn in impls.items():
                 if fn is None:
-                    print(f"| {batch} | {dim} | {impl} | not installed |{blank} |")
-                    continue
-                if impl in oom_at:
-                    print(f"| {batch} | {dim} | {impl} | skipped (OOM at B={oom_at[impl]}) |{blank} |")
-                    continue
-                if impl in last:
-                    prev_b, prev_s = last[impl]
-                    predicted = prev_s * (batch / prev_b) ** 2
-                    if predicted > max_pass_s:
-                        print(f"| {batch} | {dim} | {impl} | skipped (~{predicted:.0f} s/pass predicted) |{blank} |")
-                        continue
-                if inputs is None:
-                    inputs = make_inputs(batch, dim, dtype, device)
-                try:
-                    ms, cpu_ms, peak, loss, passes = measure(
-                        fn, inputs, device, args.warmup, repeats, cpu_rss, args.time_budget_s
-                    )
-                except (RuntimeError, MemoryError) as err:
-                    if not _is_oom(err):
-                        raise
+                    rows.append((impl, "not installed"))
+                elif impl in oom_at:
+                    rows.append((impl, f"skipped (OOM at B={oom_at[impl]})"))
+                elif impl in last and last[impl][1] * (batch / last[impl][0]) ** 2 > max_pass_s:
+                    predicted = last[impl][1] * (batch / last[impl][0]) ** 2
+                    rows.append((impl, f"skipped (~{predicted:.0f} s/pass predicted)"))
+                else:
+                    rows.append((impl, "pending"))
+                    runnable[impl] = fn
+            inputs = make_inputs(batch, dim, dtype, device) if runnable else None
+            results: dict[str, tuple | BaseException] = {}
+            if interleave and runnable:
+                results = measure_interleaved(
+                    runnable, inputs, device, args.warmup, repeats, cpu_rss, args.time_budget_s
+                )
+            for impl, fn in runnable.items():
+                if not interleave:
+                    try:
+                        results[impl] = measure(fn, inputs, device, args.warmup, repeats, cpu_rss, args.time_budget_s)
+                    except (RuntimeError, MemoryError) as err:
+                        results[impl] = err
+                    finally:
+                        for t in inputs:
+                            t.grad = None
+                        gc.collect()
+                        if gpu:
+                            torch.cuda.empty_cache()
+                if isinstance(results[impl], BaseException):
+                    if not _is_oom(results[impl]):
+                        raise results[impl]
                     oom_at[impl] = batch
-                    print(f"| {batch} | {dim} | {impl} | OOM |{blank} |")
+                    results[impl] = "OOM"
+                else:
+                    last[impl] = (batch, results[impl][0] / 1e3)
+            ref = results.get("open_clip")
+            ref = ref if isinstance(ref, tuple) else None
+            for impl, status in rows:
+                got = results.get(impl, status)
+                if isinstance(got, str):
+                    print(f"| {batch} | {dim} | {impl} | {got} |{blank} |")
                     continue
-                finally:
-                    for t in inputs:
-                        t.grad = None
-                    gc.collect()
-                    if gpu:
-                        torch.cuda.empty_cache()
-                last[impl] = (batch, ms / 1e3)
+                ms, cpu_ms, peak, loss, passes = got
                 peak_s = "n/a" if peak is None else f"{peak:.1f}"
                 cpu_s = "" if gpu else f" {cpu_ms:.1f} |"
                 reps = "" if passes == repeats else f" ({passes} passes)"
+                t_ratio = m_ratio = ""
+                if ref is not None:
+                    # CPU time on the CPU (robust to other processes), wall time on CUDA
+                    t_ratio = f"{(ms / ref[0]) if gpu else (cpu_ms / ref[1]):.2f}"
+                    if peak is not None and ref[2]:
+                        m_ratio = f"{peak / ref[2]:.2f}"
                 print(
                     f"| {batch} | {dim} | {impl} | {ms:.1f}{reps} |{cpu_s} {floor_ms:.3g} | {ms / floor_ms:.2f} "
-                    f"| {peak_s} | {loss:.6f} |",
+                    f"| {peak_s} | {loss:.6f} | {t_ratio} | {m_ratio} |",
                     flush=True,
                 )
             del inputs

@@ -4,7 +4,8 @@ Compares on the same parameters and gradients:
   * torch AdamW, float32 weights and states (fused on CUDA, foreach on CPU);
   * torch AdamW on bf16 weights and states (round-to-nearest everywhere);
   * SRAdamW: bf16 weights + bf16 SR states; fp16 weights + scaled fp16 SR states; bf16 weights with
-    an fp32 master and fp32 states; each on the PyTorch path and (CUDA) with the fused Triton kernel,
+    an fp32 master and fp32 states; each on the eager PyTorch path, (CPU) compiled into one loop (the
+    default there) and (CUDA) with the fused Triton kernel,
     and the fused kernel once more with ``check_finite=False`` (no separate inf/NaN pass over the
     gradients: the kernel's own time plus the per-step host work; neither variant synchronises with
     the host, the checked one skips on its flag on the GPU);
@@ -34,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -72,29 +74,38 @@ def nbytes(ts: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def bench_one(
-    name: str,
+def prepare(
     make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
     shapes: list[tuple[int, ...]],
     dtype: torch.dtype,
     device: str,
     warmup: int,
-    iters: int,
-) -> dict:
+) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    """Parameters, gradients and the optimizer after ``warmup`` steps (compilation happens there)."""
     gen = torch.Generator(device=device).manual_seed(0)  # on the device: 2 x 1.07 B CPU draws per row take minutes
     params = [torch.nn.Parameter((torch.randn(s, generator=gen, device=device) * 0.02).to(dtype)) for s in shapes]
     for p in params:
         p.grad = (torch.randn(p.shape, generator=gen, device=device) * 1e-3).to(dtype)
     opt = make(params)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(warmup):
         opt.step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return opt, params
+
+
+def timed_steps(opt: torch.optim.Optimizer, device: str, iters: int) -> float:
+    """Seconds per step over ``iters`` consecutive steps."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
     for _ in range(iters):
         opt.step()
     sync()
-    dt = (time.perf_counter() - t0) / iters
+    return (time.perf_counter() - t0) / iters
+
+
+def result_row(name: str, opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], dt: float) -> dict:
     n = sum(p.numel() for p in params)
     states = state_tensors(opt)
     moved = 2 * nbytes(params) + nbytes([p.grad for p in params]) + 2 * nbytes(states)
@@ -106,6 +117,39 @@ def bench_one(
         "GB/s": moved / dt / 1e9,
         "params": n,
     }
+
+
+def bench_one(
+    name: str,
+    make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+    shapes: list[tuple[int, ...]],
+    dtype: torch.dtype,
+    device: str,
+    warmup: int,
+    iters: int,
+) -> dict:
+    opt, params = prepare(make, shapes, dtype, device, warmup)
+    return result_row(name, opt, params, timed_steps(opt, device, iters))
+
+
+def bench_interleaved(
+    cands: list[tuple[str, torch.dtype, Callable]], shapes: list[tuple[int, ...]], device: str, warmup: int, iters: int
+) -> list[dict]:
+    """Every optimizer prepared first, then one step of each in turn, ``iters`` rounds; the median per
+    optimizer. On a shared CPU a load change then hits every row alike, so the ratios hold."""
+    ready, rows = [], {}
+    for label, dtype, make in cands:
+        try:
+            ready.append((label, *prepare(make, shapes, dtype, device, warmup)))
+        except Exception as e:  # a comparison optimizer that cannot run here is reported, not hidden
+            rows[label] = {"optimizer": label, "error": f"{type(e).__name__}: {e}"[:120]}
+    times: dict[str, list[float]] = {label: [] for label, _, _ in ready}
+    for _ in range(iters):
+        for label, opt, _ in ready:
+            times[label].append(timed_steps(opt, device, 1))
+    for label, opt, params in ready:
+        rows[label] = result_row(label, opt, params, statistics.median(times[label]))
+    return [rows[label] for label, _, _ in cands if label in rows]
 
 
 def candidates(device: str) -> list[tuple[str, torch.dtype, Callable]]:
@@ -133,6 +177,8 @@ def candidates(device: str) -> list[tuple[str, torch.dtype, Callable]]:
             )
     else:
         print("# SRAdamW fused rows need CUDA: skipped", file=sys.stderr)
+        for label, dtype, kw in sr_configs:  # the default on CPU tensors: the update compiled into one loop
+            c.append((f"SRAdamW {label} (compiled CPU)", dtype, lambda ps, kw=kw: SRAdamW(ps, lr=1e-3, **kw)))
     try:
         from torchao.optim import _AdamW
 
@@ -161,6 +207,9 @@ def main() -> None:
     ap.add_argument("--exclude", action="append", default=[],
                     help="skip optimizers whose name contains this substring (repeatable)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                    help="prepare every optimizer, then step them in turn and report medians (default on CPU, "
+                    "where the machine may be shared; needs memory for all optimizers at once)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads (CPU); 1 avoids OpenMP oversubscription on a shared machine")
     args = ap.parse_args()
@@ -183,26 +232,35 @@ def main() -> None:
         print(f"# device: {dev_name}; torch {torch.__version__}; triton {triton_version}; layout {name}: {len(shapes)} "
               f"tensors, {sum(torch.Size(s).numel() for s in shapes):,} params; {torch.get_num_threads()} threads; "
               f"load average {os.getloadavg()[0]:.1f}; {time.strftime('%Y-%m-%d')}")
+        cands = [(label, dtype, make) for label, dtype, make in candidates(args.device)
+                 if not (args.only and args.only not in label) and not any(x in label for x in args.exclude)]
+        interleave = args.interleave if args.interleave is not None else not cuda
         rows = []
-        for label, dtype, make in candidates(args.device):
-            if (args.only and args.only not in label) or any(x in label for x in args.exclude):
-                continue
-            try:
-                rows.append(bench_one(label, make, shapes, dtype, args.device, warmup, iters))
-            except Exception as e:  # a comparison optimizer that cannot run here is reported, not hidden
-                rows.append({"optimizer": label, "error": f"{type(e).__name__}: {e}"[:120]})
-            rows[-1]["layout"] = name
-            if cuda:
-                torch.cuda.empty_cache()
-            if args.json:
-                Path(args.json).write_text(json.dumps(all_rows + rows, indent=2))
-        print("| optimizer | ms/step | weight B/param | state B/param | GB/s |")
-        print("|---|---:|---:|---:|---:|")
+        if interleave:
+            rows = bench_interleaved(cands, shapes, args.device, warmup, iters)
+            for r in rows:
+                r["layout"] = name
+        else:
+            for label, dtype, make in cands:
+                try:
+                    rows.append(bench_one(label, make, shapes, dtype, args.device, warmup, iters))
+                except Exception as e:  # a comparison optimizer that cannot run here is reported, not hidden
+                    rows.append({"optimizer": label, "error": f"{type(e).__name__}: {e}"[:120]})
+                rows[-1]["layout"] = name
+                if cuda:
+                    torch.cuda.empty_cache()
+                if args.json:
+                    Path(args.json).write_text(json.dumps(all_rows + rows, indent=2))
+        base = next((r["ms"] for r in rows if r["optimizer"].startswith("torch AdamW bf16") and "ms" in r), None)
+        print(f"# {'interleaved, median of' if interleave else 'mean of'} {iters} steps after {warmup} warm-up steps")
+        print("| optimizer | ms/step | × torch bf16 | weight B/param | state B/param | GB/s |")
+        print("|---|---:|---:|---:|---:|---:|")
         for r in rows:
             if "error" in r:
-                print(f"| {r['optimizer']} | error: {r['error']} | | | |")
+                print(f"| {r['optimizer']} | error: {r['error']} | | | | |")
             else:
-                print(f"| {r['optimizer']} | {r['ms']:.2f} | {r['weight_bytes_per_param']:.0f} "
+                ratio = f"{r['ms'] / base:.2f}" if base else "-"
+                print(f"| {r['optimizer']} | {r['ms']:.2f} | {ratio} | {r['weight_bytes_per_param']:.0f} "
                       f"| {r['state_bytes_per_param']:.2f} | {r['GB/s']:.1f} |")
         all_rows += rows
     if args.json:

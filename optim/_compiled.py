@@ -102,7 +102,7 @@ def compiled_updates_(
         fn = _compiled(route)
         for start, length in segments(s.index_offset, param.numel(), MAX_BLOCK):
             at = s.index_offset + start
-            words = torch.tensor(segment_words(s.keys, at >> 32), dtype=torch.int32, device=device)
+            words = segment_words(s.keys, at >> 32).to(device)
             lo0 = torch.tensor(_as_i32(at & _M32), dtype=torch.int32, device=device)
             whole = start == 0 and length == param.numel()
             block = flat if whole else [t[start:start + length] if t is not None else None for t in flat]

@@ -36,18 +36,20 @@ bit-identical to the unmasked update where it is not.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal
 
 import torch
 
 from .rounding import (
+    _GOLDEN,
     _M32,
     _as_i32,
-    _segment_word,
-    key_words,
+    key_words_tensor,
     keyed_hash,
     round_with_bits,
 )
@@ -137,7 +139,8 @@ class TensorStep:
         beta2: Second moment decay.
         eps: Denominator term.
         weight_decay: Decoupled weight decay coefficient (multiplied by ``lr``).
-        keys: Noise keys of the weight and the statistics streams, from ``derive_key``.
+        keys: Noise keys of the weight and the statistics streams, from ``derive_key`` (two ints, or an
+            int64 tensor ``[2]``).
         master: Optional float32 master copy (contiguous); ``param`` then gets its nearest copy.
         exp_avg_scales: ``(old, new)`` 0-dim float32 scales of a float16 ``exp_avg`` on its device
             (value = stored * scale).
@@ -159,7 +162,7 @@ class TensorStep:
     beta2: float
     eps: float
     weight_decay: float
-    keys: tuple[int, int]
+    keys: tuple[int, int] | torch.Tensor
     master: torch.Tensor | None = None
     exp_avg_scales: tuple[torch.Tensor, torch.Tensor] | None = None
     exp_avg_sq_scales: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -193,28 +196,37 @@ def hyperparameters(s: TensorStep, grad_mul: float = 1.0) -> dict[str, float]:
     """The step's float32 scalars by name (:data:`HYPERPARAMETERS`): computed in float64, rounded once.
 
     The one place where the hyperparameters are rounded; the eager path, the compiled CPU path and the
-    fused kernel's metadata rows all take them from here.
+    fused kernel's metadata rows all take them from here. Cached: the tensors of a group share them.
     """
+    clamp = (float(s.clamp[0]), float(s.clamp[1])) if s.clamp is not None else None
+    return _hyperparameters(float(s.lr), float(s.weight_decay), float(s.beta1), float(s.beta2), float(s.eps),
+                            int(s.step), clamp, float(grad_mul))
+
+
+@functools.lru_cache(maxsize=1024)
+def _hyperparameters(lr: float, weight_decay: float, beta1: float, beta2: float, eps: float, step: int,
+                     clamp: tuple[float, float] | None, grad_mul: float) -> dict[str, float]:
     values = {
-        "decay": 1 - s.lr * s.weight_decay,
-        "beta1": s.beta1,
-        "one_minus_beta1": 1 - s.beta1,
-        "beta2": s.beta2,
-        "one_minus_beta2": 1 - s.beta2,
-        "eps_hat": s.eps * math.sqrt(1 - s.beta2**s.step),
-        "neg_step": -(s.lr * math.sqrt(1 - s.beta2**s.step) / (1 - s.beta1**s.step)),
+        "decay": 1 - lr * weight_decay,
+        "beta1": beta1,
+        "one_minus_beta1": 1 - beta1,
+        "beta2": beta2,
+        "one_minus_beta2": 1 - beta2,
+        "eps_hat": eps * math.sqrt(1 - beta2**step),
+        "neg_step": -(lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)),
         "grad_mul": grad_mul,
-        "clamp_min": float(s.clamp[0]) if s.clamp is not None else 0.0,
-        "clamp_max": float(s.clamp[1]) if s.clamp is not None else 0.0,
+        "clamp_min": clamp[0] if clamp is not None else 0.0,
+        "clamp_max": clamp[1] if clamp is not None else 0.0,
     }
-    return {k: _f32(values[k]) for k in HYPERPARAMETERS}
+    return MappingProxyType({k: _f32(values[k]) for k in HYPERPARAMETERS})
 
 
-def key_table(keys: tuple[int, int]) -> list[int]:
-    """``[a_weight, b_weight, a_state, b_state]``: the key words (:func:`optim.rounding.key_words`) of a
-    step's two noise keys, as uint32 values."""
-    (aw, bw), (as_, bs) = key_words(keys[0]), key_words(keys[1])
-    return [aw, bw, as_, bs]
+def key_pair(keys: tuple[int, int] | torch.Tensor) -> torch.Tensor:
+    """A step's two noise keys (weight, statistics) as an int64 CPU tensor ``[2]``; ``SRAdamW`` passes
+    them as such a tensor (derived for all tensors at once, never read back on the host)."""
+    if isinstance(keys, torch.Tensor):
+        return keys.reshape(2).to(torch.int64)
+    return torch.tensor([int(k) & _M32 for k in keys], dtype=torch.int64)
 
 
 def _sqrt_ieee(x: torch.Tensor) -> torch.Tensor:
@@ -328,10 +340,13 @@ def rounding_flags(s: TensorStep) -> tuple[bool, bool, bool]:
     return sr_p, sr_m, sr_v
 
 
-def segment_words(keys: tuple[int, int], hi: int) -> list[int]:
-    """int32 values of :func:`update_block_`'s ``words`` for the elements with index high half ``hi``."""
-    aw, bw, as_, bs = key_table(keys)
-    return [_as_i32(_segment_word(aw, hi)), _as_i32(bw), _as_i32(_segment_word(as_, hi)), _as_i32(bs)]
+def segment_words(keys: tuple[int, int] | torch.Tensor, hi: int) -> torch.Tensor:
+    """int32 ``[4]`` (CPU) of :func:`update_block_`'s ``words`` for the elements whose noise index has
+    high half ``hi``: ``[a_weight ^ hi * golden, b_weight, a_state ^ hi * golden, b_state]``."""
+    a, b = key_words_tensor(key_pair(keys))
+    a = a ^ ((hi * _GOLDEN) & _M32)
+    words = torch.stack([a[0], b[0], a[1], b[1]])
+    return (((words + (1 << 31)) & _M32) - (1 << 31)).to(torch.int32)  # uint32 patterns as int32
 
 
 def segments(offset: int, n: int, limit: int) -> list[tuple[int, int]]:
@@ -373,7 +388,7 @@ def apply_update_(
             for t in (param, s.grad, s.exp_avg, s.exp_avg_sq, s.master)]
     for start, length in segments(s.index_offset, param.numel(), chunk_size):
         at = s.index_offset + start
-        words = torch.tensor(segment_words(s.keys, at >> 32), dtype=torch.int32, device=device)
+        words = segment_words(s.keys, at >> 32).to(device)
         lo0 = torch.tensor(_as_i32(at & _M32), dtype=torch.int32, device=device)
         chunk = [t[start:start + length] if t is not None else None for t in flat]
         update_block_(*chunk, hp, words, lo0, m_scales, v_scales, gmul, skip, sr_p, sr_m, sr_v,

@@ -110,6 +110,29 @@ def key_words(key: int) -> tuple[int, int]:
     return _hash32_int(key ^ _A_SALT), _hash32_int(key ^ _B_SALT)
 
 
+def _hash32_i64(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on an int64 tensor of values in [0, 2**32) (products wrap modulo 2**64; the low 32 bits
+    are kept, so the result equals :func:`_hash32_int` element by element)."""
+    x = x ^ (x >> 16)
+    x = (x * _H1) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _H2) & _M32
+    return x ^ (x >> 16)
+
+
+def fold_key(h: torch.Tensor, part: torch.Tensor | int) -> torch.Tensor:
+    """One step of :func:`derive_key` for many keys at once: ``derive_key(*parts, part)`` from the int64
+    tensor ``h = derive_key(*parts)``, for parts in ``[0, 2**32)`` (a host-side helper: one tensor
+    operation per step for all tensors instead of a Python hash per tensor)."""
+    return _hash32_i64(((h ^ part) + _GOLDEN) & _M32)
+
+
+def key_words_tensor(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`key_words` of an int64 tensor of keys, element by element."""
+    keys = keys & _M32
+    return _hash32_i64(keys ^ _A_SALT), _hash32_i64(keys ^ _B_SALT)
+
+
 def _segment_word(a: int, hi: int) -> int:
     """The first key word for the elements whose index has high 32 bits ``hi``."""
     return a ^ ((hi * _GOLDEN) & _M32)

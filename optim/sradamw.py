@@ -15,10 +15,9 @@ from .functional import (
     STREAM_STATE,
     TensorStep,
     apply_update_,
-    masked_copy_,
     state_scale,
 )
-from .rounding import derive_key
+from .rounding import derive_key, fold_key
 
 __all__ = ["SRAdamW"]
 
@@ -216,6 +215,7 @@ class SRAdamW(Optimizer):
         self.process_group = process_group
         self._skipped_steps = 0
         self._pending: _PendingSkip | None = None
+        self._key_prefixes: dict[tuple[int, int], int] = {}  # (rank, tensor index) -> derive_key(seed, rank, index)
         self.fused = fused
         super().__init__(params, defaults)
         if fused:
@@ -339,40 +339,76 @@ class SRAdamW(Optimizer):
             state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
         return state
 
-    def _tensor_step(
-        self,
-        p: torch.Tensor,
-        group: dict[str, Any],
-        rank: int,
-        grad_mul: torch.Tensor | float | None,
-        skip: torch.Tensor | None,
-    ) -> TensorStep:
-        """Advances ``p``'s step counter and float16 state bounds; returns its update."""
+    def _tensor_step(self, p: torch.Tensor, group: dict[str, Any], rank: int) -> TensorStep:
+        """Advances ``p``'s step counter; returns its update (float16 state scales: :meth:`_f16_scales`)."""
         state = self.state[p]
         if len(state) == 0:
             state = self._init_state(p, group)
         state["step"] += 1
         t = int(state["step"])  # a CPU tensor
         beta1, beta2 = group["betas"]
-        keys = tuple(derive_key(self.seed, rank, state["index"], t, stream) for stream in _STREAMS)
-        m_scales = v_scales = None
-        if "exp_avg_bound" in state:
-            g_amax = p.grad.detach().abs().amax().to(torch.float32)
-            if grad_mul is not None:
-                g_amax = g_amax * (grad_mul.abs() if isinstance(grad_mul, torch.Tensor) else abs(grad_mul))
-            m_bound, v_bound = state["exp_avg_bound"], state["exp_avg_sq_bound"]
-            m_old, v_old = state_scale(m_bound), state_scale(v_bound)
-            masked_copy_(m_bound, m_bound.mul(beta1).add_(g_amax, alpha=1 - beta1), skip)
-            masked_copy_(v_bound, v_bound.mul(beta2).add_(g_amax * g_amax, alpha=1 - beta2), skip)
-            m_scales, v_scales = (m_old, state_scale(m_bound)), (v_old, state_scale(v_bound))
+        keys = (0, 0)  # filled for all tensors at once by _derive_keys
         return TensorStep(
             p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=t,
             lr=float(group["lr"]),  # a tensor lr is read here (a sync if it lives on a device)
             beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], keys=keys,
-            master=state.get("master"), exp_avg_scales=m_scales, exp_avg_sq_scales=v_scales,
+            master=state.get("master"),
             weight_rounding=group["weight_rounding"], state_rounding=group["state_rounding"],
             clamp=group.get("clamp"),
         )
+
+    def _derive_keys(self, steps: list[TensorStep], rank: int) -> None:
+        """Sets every step's noise keys ``derive_key(seed, rank, tensor index, step, stream)`` for the
+        weight and the statistics streams: the ``(seed, rank, index)`` prefix is derived once per
+        tensor and cached, the step and stream are folded in for all tensors with a few tensor
+        operations (a Python hash chain per tensor and step cost ~20 us each)."""
+        if not steps:
+            return
+        prefixes = []
+        for s in steps:
+            index = self.state[s.param]["index"]
+            prefix = self._key_prefixes.get((rank, index))
+            if prefix is None:
+                prefix = self._key_prefixes[(rank, index)] = derive_key(self.seed, rank, index)
+            prefixes.append(prefix)
+        h = fold_key(torch.tensor(prefixes, dtype=torch.int64), torch.tensor([s.step for s in steps], dtype=torch.int64))
+        keys = torch.stack([fold_key(h, stream) for stream in _STREAMS], 1)  # CPU [tensors, 2], never read back
+        for s, k in zip(steps, keys.unbind()):
+            s.keys = k
+
+    def _f16_scales(
+        self, items: list[TensorStep], grad_mul: torch.Tensor | float | None, skip: torch.Tensor | None
+    ) -> None:
+        """Advances the running bounds of every float16 statistic on one device and sets the steps'
+        ``(old, new)`` power-of-two state scales, for all such tensors at once.
+
+        A bound follows the statistic from the gradient's absolute maximum alone (``m_bound = beta1 *
+        m_bound + (1 - beta1) * amax|g|``, ``v_bound`` likewise with ``amax|g|**2``), so the update
+        needs no second pass. A fixed number of multi-tensor operations per step whatever the number
+        of tensors (one ``_foreach_norm`` for the maxima, vector arithmetic, one ``_foreach_copy_``
+        back into the per-tensor bound states); the scales are elements of one vector that the
+        update reads in place. Masked by the device skip flag, never read on the host."""
+        scaled = [s for s in items if "exp_avg_bound" in self.state[s.param]]
+        if not scaled:
+            return
+        device = scaled[0].param.device
+        states = [self.state[s.param] for s in scaled]
+        amax = torch.stack(torch._foreach_norm([s.grad.detach() for s in scaled], float("inf"))).to(torch.float32)
+        if grad_mul is not None:
+            amax = amax * (grad_mul.abs() if isinstance(grad_mul, torch.Tensor) else abs(grad_mul))
+        bounds = [st[k] for k in ("exp_avg_bound", "exp_avg_sq_bound") for st in states]
+        old = torch.stack(bounds).view(2, -1)  # rows: exp_avg, exp_avg_sq
+        betas = torch.tensor([[s.beta1 for s in scaled], [s.beta2 for s in scaled]], dtype=torch.float32)
+        betas = betas.to(device, non_blocking=True)
+        grow = torch.stack([amax, amax * amax])
+        new = old * betas + grow * (1 - betas)
+        if skip is not None:
+            new = torch.where(skip, old, new)
+        torch._foreach_copy_(bounds, list(new.view(-1).unbind()))
+        scales = state_scale(torch.stack([old, new]))  # [old/new, m/v, tensor]
+        for i, s in enumerate(scaled):
+            s.exp_avg_scales = (scales[0, 0, i], scales[1, 0, i])
+            s.exp_avg_sq_scales = (scales[0, 1, i], scales[1, 1, i])
 
     @torch.no_grad()
     def step(
@@ -436,8 +472,10 @@ class SRAdamW(Optimizer):
                     raise RuntimeError("SRAdamW does not support sparse gradients")
                 if p.device not in skips:  # the flag where this device's update reads it (no host sync)
                     skips[p.device] = device_skip.to(p.device) if device_skip is not None else None
-                specs.setdefault(p.device, []).append(self._tensor_step(p, group, rank, grad_mul, skips[p.device]))
-        for device, items in specs.items():  # one implementation per device; the kernel: one launch per dtype group
+                specs.setdefault(p.device, []).append(self._tensor_step(p, group, rank))
+        self._derive_keys([s for items in specs.values() for s in items], rank)
+        for device, items in specs.items():
+            self._f16_scales(items, grad_mul, skips[device])  # one implementation per device; the kernel: one launch per dtype group
             self._update_for(device)(items, grad_mul=grad_mul, found_inf=skips[device])
         if pending is not None:
             pending.states = [self.state[s.param] for items in specs.values() for s in items]
@@ -479,6 +517,7 @@ class SRAdamW(Optimizer):
         for group in self.param_groups:
             group["betas"] = tuple(group["betas"])
             _validate_group(group)
+        self._key_prefixes.clear()
         if sr is not None:
             self.seed = int(sr["seed"])
             self._skipped_steps = int(sr.get("skipped_steps", 0))

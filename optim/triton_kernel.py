@@ -44,7 +44,8 @@ import torch
 from . import _sradamw_jit as _jit
 from . import _triton
 from ._sradamw_jit import Kind, Slot, Word
-from .functional import HYPERPARAMETERS, TensorStep, hyperparameters, key_table
+from .functional import HYPERPARAMETERS, TensorStep, hyperparameters, key_pair
+from .rounding import key_words_tensor
 
 __all__ = [
     "TensorStep",
@@ -64,7 +65,7 @@ DEFAULT_NUM_WARPS = 16
 
 _KIND = {torch.float32: Kind.F32, torch.bfloat16: Kind.BF16, torch.float16: Kind.F16}
 _ROUNDINGS = ("stochastic", "nearest")
-_KEY_WORDS = [int(Word.A_P), int(Word.B_P), int(Word.A_S), int(Word.B_S)]  # the order of key_table
+_KEY_WORDS = [int(Word.A_P), int(Word.B_P), int(Word.A_S), int(Word.B_S)]  # weight (a, b), statistics (a, b)
 _ALIGN = 16  # bytes
 
 
@@ -139,9 +140,7 @@ def _int_words(s: TensorStep, param: torch.Tensor, grad: torch.Tensor) -> list[i
         row[word] = t.data_ptr() if t is not None else 0
     row[Word.NUMEL] = param.numel()
     row[Word.NOISE_BASE] = int(s.index_offset)
-    for word, value in zip(_KEY_WORDS, key_table(s.keys)):
-        row[word] = value
-    return row
+    return row  # the key words are filled for the whole table at once (_metadata)
 
 
 def _float_slots(s: TensorStep, grad_mul: float) -> list[float]:
@@ -153,6 +152,9 @@ def _float_slots(s: TensorStep, grad_mul: float) -> list[float]:
 def _metadata(items: Sequence[tuple[TensorStep, torch.Tensor, torch.Tensor]], grad_mul: float) -> torch.Tensor:
     """The host metadata table of one dtype group: int64 ``[len(items), ROW_WORDS]``."""
     ints = torch.tensor([_int_words(s, param, grad) for s, param, grad in items], dtype=torch.int64)
+    keys = torch.stack([key_pair(s.keys) for s, _, _ in items])  # [tensors, (weight, statistics)]
+    (a_p, b_p), (a_s, b_s) = key_words_tensor(keys[:, 0]), key_words_tensor(keys[:, 1])
+    ints[:, _KEY_WORDS] = torch.stack([a_p, b_p, a_s, b_s], 1)  # weight (a, b), statistics (a, b)
     floats = torch.tensor([_float_slots(s, grad_mul) for s, _, _ in items], dtype=torch.float32)
     return torch.cat([ints, floats.view(torch.int64)], dim=1).contiguous()
 

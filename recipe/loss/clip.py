@@ -19,14 +19,18 @@ logit scale (and bias) are not gathered: their per-rank gradients are ``d loss_r
 data-parallel mean is ``d loss_full / d s``.
 
 Ranks with **different local batch sizes are handled exactly** (not rejected): the local sizes are
-exchanged with one small all-gather per call, the features are padded to the largest local size for
-the collective and unpadded afterwards, targets are offset by the sizes of the lower ranks, and the
-``N / B`` weight above keeps the data-parallel mean equal to the full-batch loss. The size exchange
-is one tiny collective plus a host synchronisation per call; it also carries a flag for non-finite
-inputs, so that every rank raises the same ``ValueError`` instead of one rank raising and the others
-hanging in the next collective. A caller that knows every rank's size (the training loop: every
-rank's loader yields exactly the micro-batch) passes ``sizes=`` with ``validate=False`` and the
-exchange, with its synchronisation, is skipped.
+exchanged with one small all-gather, the features are padded to the largest local size for the
+collective and unpadded afterwards, targets are offset by the sizes of the lower ranks, and the
+``N / B`` weight above keeps the data-parallel mean equal to the full-batch loss. The exchanged table
+also carries the feature dim/dtype and a flag for non-finite inputs, so that every rank raises the
+same ``ValueError`` instead of one rank raising and the others hanging in the next collective. Only
+the first call (and a call in which every rank's local batch shape changes) reads it on the host;
+later calls reuse the cached sizes and check the table on the device, so the steady-state step has no
+host synchronisation (:mod:`recipe.loss.inputs` gives the protocol and its one rule: a local batch
+size may change after the first call only in a call where every rank's changes, else pass
+``sizes=``). A caller that knows every rank's size (the training loop: every rank's loader yields
+exactly the micro-batch) passes ``sizes=`` with ``validate=False`` and the exchange is skipped
+altogether.
 
 Three modes are provided (see :data:`LOSS_MODES`; a new mode is one more entry in that dict):
 
@@ -34,7 +38,8 @@ Three modes are provided (see :data:`LOSS_MODES`; a new mode is one more entry i
 * ``"chunked"``: a custom :class:`torch.autograd.Function` computes each row's log-sum-exp over the
   gathered side in tiles of ``chunk_size x chunk_size`` with an online (running max) log-sum-exp, and
   its backward recomputes each tile. Extra memory is ``O(min(M, chunk)·chunk + B·D)``: the ``M x B``
-  block is never materialised.
+  block is never materialised. At world size 1 one product per tile serves both directions (rows:
+  image to text, columns: text to image), forward and backward (:mod:`recipe.loss.chunked`).
 * ``"fused"``: Triton kernels streaming tiles of the block with online row (and, at world size 1,
   column) log-sum-exp statistics and a tile-recomputing backward; see :mod:`recipe.loss.fused`.
 
@@ -60,7 +65,7 @@ from torch import Tensor, nn
 from .base import GatheredBatch, ModeFn, ModeOutput
 from .chunked import chunked_mode
 from .gather import all_gather_with_grad
-from .inputs import check_inputs, rank_sizes
+from .inputs import SizeCache, check_inputs, rank_sizes
 from .matmul import MatmulF32, no_autocast
 
 __all__ = ["ClipLoss", "LossResult", "LOSS_MODES"]
@@ -121,9 +126,15 @@ class ClipLoss(nn.Module):
             on CUDA tensors, see :mod:`recipe.loss.fused`).
         chunk_size: Tile edge of the chunked mode; caps the tile edge of the fused mode.
         group: Process group; ``None`` for the default group (or no torch.distributed at all).
-        validate: Check that inputs are finite; costs one host synchronisation at world size 1 (at
-            larger sizes the check rides on the size exchange). A non-finite input raises
-            ``ValueError`` on every rank.
+        validate: Check that inputs are finite. The first call (and a call with a new local batch
+            shape) reads the check on the host and raises ``ValueError`` on every rank; later calls
+            check on the device without a host synchronisation (``torch._assert_async``: a
+            ``RuntimeError`` at once on the CPU, a device-side assertion on CUDA), see
+            :mod:`recipe.loss.inputs`.
+        cache_sizes: Keep the exchanged sizes between calls (no host synchronisation in a steady
+            step; a local batch size may then change only in a call where every rank's does).
+            ``False`` reads the exchanged sizes on the host every call (one synchronisation per
+            call), for ranks whose batch sizes vary independently and are not known to the caller.
     """
 
     def __init__(
@@ -132,6 +143,7 @@ class ClipLoss(nn.Module):
         chunk_size: int = 4096,
         group: dist.ProcessGroup | None = None,
         validate: bool = True,
+        cache_sizes: bool = True,
     ) -> None:
         super().__init__()
         if mode not in LOSS_MODES:
@@ -142,6 +154,8 @@ class ClipLoss(nn.Module):
         self.chunk_size = int(chunk_size)
         self.group = group
         self.validate = validate
+        # the ranks' sizes after the first call (recipe.loss.inputs); None: read them every call
+        self._size_cache = SizeCache() if cache_sizes else None
 
     def extra_repr(self) -> str:  # noqa: D102
         return f"mode={self.mode!r}, chunk_size={self.chunk_size}"
@@ -163,7 +177,7 @@ class ClipLoss(nn.Module):
             logit_scale: The multiplier (already exponentiated), a single value.
             logit_bias: Optional single value added to every logit.
             sizes: Every rank's number of pairs in rank order, when the caller knows them; with
-                ``validate=False`` this skips the size exchange and its host synchronisation.
+                ``validate=False`` this skips the size exchange (no collective).
 
         Returns:
             ``(loss, metrics)``, a :class:`LossResult`.
@@ -174,7 +188,7 @@ class ClipLoss(nn.Module):
         """
         image, text = image_features, text_features
         scale, bias, bad = check_inputs(image, text, logit_scale, logit_bias, self.validate)
-        sizes, world, rank = rank_sizes(image, bad, sizes, self.group, "contrastive loss")
+        sizes, world, rank = rank_sizes(image, bad, sizes, self.group, "contrastive loss", self._size_cache)
         if world == 1:
             all_image, all_text = image, text
         else:

@@ -287,7 +287,9 @@ def _fwd_launch(rows: Tensor, cols: Tensor, scale: Tensor, offset: int, symmetri
     row_stats = [torch.empty(p_c, m_rows, **f32) for _ in range(3)]
     pos = torch.empty(m_rows, **f32)
     if symmetric:  # (max, sum, max before) records per column, padded to whole tiles; tile scratch
-        col_stats = torch.tensor([float("-inf"), 0.0, float("-inf")], **f32).repeat(p_r, col_tiles * cfg.block_n, 1)
+        # filled on the device (a torch.tensor of Python values would be a blocking host-to-device copy)
+        col_stats = torch.full((p_r, col_tiles * cfg.block_n, 3), float("-inf"), **f32)
+        col_stats[..., 1] = 0.0
         scratch = torch.empty(p_r * p_c, 3 * cfg.block_n, **f32)
     else:
         col_stats = scratch = pos  # unused

@@ -23,6 +23,7 @@ def _cuda_out_dtype_ok(dtype: torch.dtype) -> bool:
     """Whether ``mm``/``addmm`` with ``out_dtype=float32`` work on CUDA for 16-bit ``dtype`` operands
     in the layouts used here (column slices of wider buffers, transposed, row slices, in-place
     accumulation)."""
+    # host reads (bool) of a one-time probe, cached per dtype: a loss's first call, never a steady step
     try:
         a = torch.ones(3, 8, dtype=dtype, device="cuda")[:, :4]
         b = torch.ones(6, 5, dtype=dtype, device="cuda")[1:5]

@@ -28,8 +28,10 @@ parameter. With equal local batches ``N / B = 1 / M``, the normalisation open_cl
 ``SigLipLoss`` uses (it divides by the local batch size), so the rank losses agree with it.
 Ranks of **different sizes** are handled as :class:`~recipe.loss.ClipLoss` does: the sizes are
 exchanged in one small all-gather that also carries the feature dim/dtype and a non-finite flag (so
-every rank raises the same ``ValueError``), or passed as ``sizes=`` with ``validate=False`` to skip
-that exchange and its host synchronisation. Only the texts are gathered (the images of other ranks
+every rank raises the same ``ValueError``), read on the host only on the first call (and when every
+rank's local batch shape changes) and checked on the device afterwards (no host synchronisation in
+the steady state, :mod:`recipe.loss.inputs`), or passed as ``sizes=`` with ``validate=False`` to skip
+that exchange. Only the texts are gathered (the images of other ranks
 are never needed), half the traffic of gathering both sides; big_vision and open_clip pass the texts
 around a ring instead, which gives the same sums.
 
@@ -68,7 +70,7 @@ from torch import Tensor, nn
 
 from .clip import LossResult
 from .gather import all_gather_with_grad
-from .inputs import check_inputs, rank_sizes
+from .inputs import SizeCache, check_inputs, rank_sizes
 from .matmul import MatmulF32, grad_matmul_dtype, mm_f32, no_autocast
 
 __all__ = ["SIGLIP_MODES", "SigLipLoss", "SigmoidOutput", "chunked_sigmoid_loss"]
@@ -249,9 +251,15 @@ class SigLipLoss(nn.Module):
         mode: A key of :data:`SIGLIP_MODES`: ``"plain"`` or ``"chunked"``.
         chunk_size: Tile edge of the chunked mode.
         group: Process group; ``None`` for the default group (or no torch.distributed at all).
-        validate: Check that inputs are finite; costs one host synchronisation at world size 1 (at
-            larger sizes the check rides on the size exchange). A non-finite input raises
-            ``ValueError`` on every rank.
+        validate: Check that inputs are finite. The first call (and a call with a new local batch
+            shape) reads the check on the host and raises ``ValueError`` on every rank; later calls
+            check on the device without a host synchronisation (``torch._assert_async``: a
+            ``RuntimeError`` at once on the CPU, a device-side assertion on CUDA), see
+            :mod:`recipe.loss.inputs`.
+        cache_sizes: Keep the exchanged sizes between calls (no host synchronisation in a steady
+            step; a local batch size may then change only in a call where every rank's does).
+            ``False`` reads the exchanged sizes on the host every call (one synchronisation per
+            call), for ranks whose batch sizes vary independently and are not known to the caller.
     """
 
     def __init__(
@@ -260,6 +268,7 @@ class SigLipLoss(nn.Module):
         chunk_size: int = 4096,
         group: dist.ProcessGroup | None = None,
         validate: bool = True,
+        cache_sizes: bool = True,
     ) -> None:
         super().__init__()
         if mode not in SIGLIP_MODES:
@@ -270,6 +279,8 @@ class SigLipLoss(nn.Module):
         self.chunk_size = int(chunk_size)
         self.group = group
         self.validate = validate
+        # the ranks' sizes after the first call (recipe.loss.inputs); None: read them every call
+        self._size_cache = SizeCache() if cache_sizes else None
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, chunk_size={self.chunk_size}"
@@ -291,7 +302,7 @@ class SigLipLoss(nn.Module):
             logit_scale: The multiplier ``s`` (already exponentiated), a single value (``(1,)`` or 0-d).
             logit_bias: The bias ``b``, a single value; ``None`` means ``b = 0``.
             sizes: Every rank's number of pairs in rank order, when the caller knows them; with
-                ``validate=False`` this skips the size exchange and its host synchronisation.
+                ``validate=False`` this skips the size exchange (no collective).
 
         Returns:
             ``(loss, metrics)``, a :class:`~recipe.loss.LossResult`.
@@ -303,7 +314,7 @@ class SigLipLoss(nn.Module):
         image, text = image_features, text_features
         scale, bias, bad = check_inputs(image, text, logit_scale, logit_bias, self.validate)
         bias = torch.zeros((), device=image.device) if bias is None else bias
-        sizes, world, rank = rank_sizes(image, bad, sizes, self.group, "SigLIP loss")
+        sizes, world, rank = rank_sizes(image, bad, sizes, self.group, "SigLIP loss", self._size_cache)
         if world == 1:
             all_text = text
         else:

@@ -648,3 +648,26 @@ def test_nonfinite_flag_is_reduced_over_ranks() -> None:
             assert got["skipped"] == 1 and got["steps"] == [2] * 4, (rank, variant)
             for a, b in zip(ref["params"], got["params"]):
                 assert_same_bits(a, b, f"rank {rank} {variant}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype, kw", [(torch.bfloat16, {}), (torch.float16, {}), (torch.bfloat16, {"master_weights": True})])
+def test_cuda_step_does_not_synchronise(dtype: torch.dtype, kw: dict) -> None:
+    # Steady-state steps with the default non-finite check, a device loss scale and a device found_inf
+    # (the fp16 loss-scaling route) issue no synchronising CUDA call (torch's sync debug mode raises on
+    # one). The device is idle before each checked step, so the previous step's skip flag has arrived.
+    ps = [torch.nn.Parameter(p.detach().to("cuda", dtype)) for p in make_params()]
+    opt = SRAdamW(ps, lr=1e-3, **kw)
+    scale, found = torch.tensor([1024.0], device="cuda"), torch.zeros(1, device="cuda")
+    for t in range(4):
+        for p, g in zip(ps, grads_for(ps, t, scale=1024.0)):
+            p.grad = g.to("cuda", dtype)
+        torch.cuda.synchronize()
+        if t >= 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step(grad_scale=scale, found_inf=found)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert opt.skipped_steps == 0

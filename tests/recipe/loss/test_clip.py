@@ -33,7 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from recipe.loss import LOSS_MODES, ClipLoss, all_gather_with_grad
+from recipe.loss import (
+    LOSS_MODES,
+    ClipLoss,
+    all_gather_with_grad,
+    chunked_cross_entropy,
+    symmetric_chunked_cross_entropy,
+)
 
 from ...clip_reference import LargestTensor, assert_grad_close, clip_reference
 from ...dist_utils import run_distributed
@@ -494,3 +500,82 @@ def test_input_errors() -> None:
             loss_fn(bad, x, s)
         with pytest.raises(ValueError, match="non-finite"):
             loss_fn(x, x, torch.tensor(float("nan")))
+
+
+# --------------------------------------------------------------------------------------------------
+# The chunked kernels (issue 17: one product per tile at world size 1)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("chunk", [4, 7, 64])
+def test_symmetric_chunked_kernel_matches_two_directional_passes(dtype: torch.dtype, chunk: int) -> None:
+    """World size 1 takes the symmetric kernel; it must give what the rectangular kernel gives per
+    direction (targets on the diagonal), with an upstream gradient that differs per row."""
+    gen = torch.Generator().manual_seed(8)
+    image = F.normalize(torch.randn(45, 24, generator=gen), dim=1).to(dtype)
+    text = F.normalize(image.float() + 0.6 * torch.randn(45, 24, generator=gen), dim=1).to(dtype)
+    w_i2t, w_t2i = torch.rand(45, generator=gen), torch.rand(45, generator=gen) - 0.5
+    outs = []
+    for symmetric in (True, False):
+        x, y = image.clone().requires_grad_(), text.clone().requires_grad_()
+        scale = torch.tensor(40.0, requires_grad=True)
+        if symmetric:
+            ce_i2t, ce_t2i, ok_i2t, ok_t2i = symmetric_chunked_cross_entropy(x, y, scale, chunk)
+        else:
+            ce_i2t, ok_i2t = chunked_cross_entropy(x, y, scale, 0, chunk)
+            ce_t2i, ok_t2i = chunked_cross_entropy(y, x, scale, 0, chunk)
+        ((ce_i2t * w_i2t).sum() + (ce_t2i * w_t2i).sum()).backward()
+        outs.append((ce_i2t.detach(), ce_t2i.detach(), ok_i2t, ok_t2i, x.grad.float(), y.grad.float(), scale.grad))
+    (a_i, a_t, ok_ai, ok_at, gx_a, gy_a, gs_a), (b_i, b_t, ok_bi, ok_bt, gx_b, gy_b, gs_b) = outs
+    torch.testing.assert_close(a_i, b_i, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a_t, b_t, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ok_ai, ok_bi) and torch.equal(ok_at, ok_bt)
+    assert 0 < int(ok_ai.sum()) < 45  # informative accuracies
+    tol = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2, torch.float16: 3e-3}[dtype]
+    assert_grad_close(gx_a, gx_b, tol, "image grad")
+    assert_grad_close(gy_a, gy_b, tol, "text grad")
+    torch.testing.assert_close(gs_a, gs_b, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("world_size_1", [True, False])
+def test_chunked_accuracy_is_first_argmax_with_exact_ties(world_size_1: bool) -> None:
+    """Duplicated rows tie exactly; "correct" means the *first* maximum is the positive (as argmax)."""
+    gen = torch.Generator().manual_seed(9)
+    image = F.normalize(torch.randn(20, 8, generator=gen), dim=1)
+    text = image.clone()
+    text[11], text[3] = text[2], text[17]  # ties before (11) and after (3) the target column
+    image[5], image[14] = image[13], image[6]
+    scale = torch.tensor(30.0)
+    targets = torch.arange(20)
+    logits = scale * image @ text.T
+    want_i2t, want_t2i = logits.argmax(1) == targets, logits.T.argmax(1) == targets
+    assert not want_i2t.all() and not want_t2i.all()  # the ties make some rows wrong
+    for chunk in (3, 8, 32):
+        if world_size_1:
+            _, _, ok_i2t, ok_t2i = symmetric_chunked_cross_entropy(image, text, scale, chunk)
+        else:
+            _, ok_i2t = chunked_cross_entropy(image, text, scale, 0, chunk)
+            _, ok_t2i = chunked_cross_entropy(text, image, scale, 0, chunk)
+        assert torch.equal(ok_i2t, want_i2t), chunk
+        assert torch.equal(ok_t2i, want_t2i), chunk
+
+
+def test_chunked_gradients_of_a_subset_of_inputs() -> None:
+    """Only some inputs need a gradient (frozen text tower, fixed scale, or only the scale)."""
+    gen = torch.Generator().manual_seed(10)
+    image = F.normalize(torch.randn(30, 16, generator=gen), dim=1)
+    text = F.normalize(image + 0.5 * torch.randn(30, 16, generator=gen), dim=1)
+    ref = clip_reference(image, text, 25.0, None)
+    for need in ({"image"}, {"text", "scale"}, {"scale"}):
+        x = image.clone().requires_grad_("image" in need)
+        y = text.clone().requires_grad_("text" in need)
+        scale = torch.tensor(25.0, requires_grad="scale" in need)
+        ClipLoss(mode="chunked", chunk_size=7)(x, y, scale).loss.backward()
+        for name, t, key in (("image", x, "grad_image"), ("text", y, "grad_text")):
+            if name in need:
+                assert_grad_close(t.grad.double(), ref[key], 2e-5, f"{name} grad ({need})")
+            else:
+                assert t.grad is None
+        if "scale" in need:
+            torch.testing.assert_close(scale.grad.double(), ref["grad_scale"], rtol=1e-4, atol=1e-7)
