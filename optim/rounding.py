@@ -37,8 +37,9 @@ _H2 = 0x846CA68B
 _GOLDEN = 0x9E3779B9
 _A_SALT = 0x68BC21EB  # key word salts (see key_words)
 _B_SALT = 0x2C1B3C6D
-_BF16_MAX_BITS = 0x7F7F0000
-_F16_MAX = 65504.0
+# The largest finite values (bfloat16's as float32 bits) are literals inside the rounding functions:
+# torch.compile lifts a float module global into a graph input (a tensor it keeps alive), a literal
+# stays a constant.
 
 # ----------------------------------------------------------------------------------------------
 # Counter-based random bits
@@ -234,7 +235,7 @@ def _round_bf16(x: torch.Tensor, bits: torch.Tensor, mode: Mode) -> torch.Tensor
     xb = x.view(torch.int32)
     mag = xb & 0x7FFFFFFF
     finite = mag < 0x7F800000
-    mag = torch.where(finite, mag.clamp(max=_BF16_MAX_BITS), mag)  # saturate finite overflow
+    mag = torch.where(finite, mag.clamp(max=0x7F7F0000), mag)  # saturate finite overflow
     low = mag & 0xFFFF
     if mode == "proportional":
         up = (low + _srl(bits, 16)) >= 0x10000
@@ -249,7 +250,7 @@ def _round_bf16(x: torch.Tensor, bits: torch.Tensor, mode: Mode) -> torch.Tensor
 def _round_f16(x: torch.Tensor, bits: torch.Tensor, mode: Mode) -> torch.Tensor:
     a = x.abs()
     finite = torch.isfinite(x)
-    a = torch.where(finite, a.clamp(max=_F16_MAX), torch.zeros_like(a))
+    a = torch.where(finite, a.clamp(max=65504.0), torch.zeros_like(a))
     exp = ((a.view(torch.int32) >> 23) & 0xFF) - 127
     exp = exp.clamp(min=-14)  # subnormal range shares the spacing of the smallest binade
     ulp = ((exp - 10 + 127) << 23).view(torch.float32)  # 2**(exp-10), always a normal fp32
