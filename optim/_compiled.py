@@ -24,6 +24,7 @@ import torch
 
 from .functional import (
     _M32,
+    HYPERPARAMETERS,
     TensorStep,
     _as_i32,
     _skip_mask,
@@ -38,6 +39,8 @@ __all__ = ["compiled_updates_", "available", "unavailable_reason"]
 
 #: One call handles up to this many elements (the noise index's low half must not wrap inside it).
 MAX_BLOCK = 1 << 31
+#: Elements of the dummy tensors a route is first compiled on (see :func:`_prime`).
+_PRIME = 1 << 20
 
 _FNS: dict[tuple, Any] = {}
 _ERROR: str | None = None
@@ -57,12 +60,28 @@ def _compiled(route: tuple) -> Any:
                 copy = types.FunctionType(code, update_block_.__globals__, code.co_name,
                                           update_block_.__defaults__, update_block_.__closure__)
                 copy.__kwdefaults__ = update_block_.__kwdefaults__
-                fn = _FNS[route] = torch.compile(copy, dynamic=True, fullgraph=True)
+                fn = torch.compile(copy, dynamic=True, fullgraph=True)
+                _prime(fn, route)
+                _FNS[route] = fn
     return fn
 
 
+def _prime(fn: Any, route: tuple) -> None:
+    """Compiles ``fn`` for ``route`` on dummy tensors of :data:`_PRIME` elements (the skip flag set:
+    nothing is stored). Inductor decides whether a loop runs on several threads from the size of the
+    first example it sees; a route first met on a 5-element bias would otherwise stay single-threaded
+    for every tensor after it (the length is dynamic, so the same code serves all sizes)."""
+    p_dt, g_dt, m_dt, v_dt, w_dt, no_ms, no_vs, no_gmul, no_skip, sr_p, sr_m, sr_v, clamp = route
+    zeros = [torch.zeros(_PRIME, dtype=dt) if dt is not None else None for dt in (p_dt, g_dt, m_dt, v_dt, w_dt)]
+    ones = torch.ones(2)
+    fn(*zeros, torch.zeros(len(HYPERPARAMETERS)), torch.zeros(4, dtype=torch.int32),
+       torch.zeros((), dtype=torch.int32), None if no_ms else ones, None if no_vs else ones,
+       None if no_gmul else torch.ones(()), None if no_skip else torch.ones((), dtype=torch.bool),
+       sr_p, sr_m, sr_v, clamp)
+
+
 def available() -> bool:
-    """Whether ``torch.compile`` builds the update on this machine (checked once, on 16 elements)."""
+    """Whether ``torch.compile`` builds the update on this machine (checked once, on the bf16 route)."""
     global _ERROR
     if _ERROR is None:
         try:
@@ -95,7 +114,8 @@ def compiled_updates_(
         device = param.device
         hp, m_scales, v_scales, gmul = step_tensors(s, grad_mul, device)
         sr_p, sr_m, sr_v = rounding_flags(s)
-        flat = [t.reshape(-1) if t is s.grad else (t.view(-1) if t is not None else None)
+        # detached 1-D views (the same storage): every call then looks alike to Dynamo's guards
+        flat = [t.detach().reshape(-1) if t is s.grad else (t.detach().view(-1) if t is not None else None)
                 for t in (param, s.grad, s.exp_avg, s.exp_avg_sq, s.master)]
         route = (*(t.dtype if t is not None else None for t in flat), m_scales is None, v_scales is None,
                  gmul is None, skip is None, sr_p, sr_m, sr_v, s.clamp is not None)

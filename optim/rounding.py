@@ -235,16 +235,17 @@ def _round_bf16(x: torch.Tensor, bits: torch.Tensor, mode: Mode) -> torch.Tensor
     xb = x.view(torch.int32)
     mag = xb & 0x7FFFFFFF
     finite = mag < 0x7F800000
-    mag = torch.where(finite, mag.clamp(max=0x7F7F0000), mag)  # saturate finite overflow
-    low = mag & 0xFFFF
+    sat = mag.clamp(max=0x7F7F0000)  # finite overflow saturates to the largest bfloat16
     if mode == "proportional":
-        up = (low + _srl(bits, 16)) >= 0x10000
+        # adding the noise to the 16 bits that are dropped carries into the kept ones exactly when
+        # low + r >= 2**16 (the same decision as the kernel; < 2**31, so the sign bit stays free)
+        rounded = sat + _srl(bits, 16)
     else:
-        up = (low != 0) & (bits < 0)  # top bit
-    out = torch.where(finite, (mag - low) + (up.to(torch.int32) << 16), mag)  # inf/NaN untouched
-    out = torch.where(xb < 0, out | _as_i32(0x80000000), out)
-    # NaN payloads may keep low bits: the final cast rounds them but keeps them NaN.
-    return out.view(torch.float32).to(torch.bfloat16)
+        low = sat & 0xFFFF
+        rounded = (sat - low) + (((low != 0) & (bits < 0)).to(torch.int32) << 16)  # top bit
+    special = ((mag > 0x7F800000).to(torch.int32) << 22) | 0x7F800000  # NaN -> the quiet NaN, inf stays
+    out = (torch.where(finite, rounded, special) | (xb & _as_i32(0x80000000))) & _as_i32(0xFFFF0000)
+    return out.view(torch.float32).to(torch.bfloat16)  # exact: the low half is zero
 
 
 def _round_f16(x: torch.Tensor, bits: torch.Tensor, mode: Mode) -> torch.Tensor:
@@ -254,7 +255,8 @@ def _round_f16(x: torch.Tensor, bits: torch.Tensor, mode: Mode) -> torch.Tensor:
     exp = ((a.view(torch.int32) >> 23) & 0xFF) - 127
     exp = exp.clamp(min=-14)  # subnormal range shares the spacing of the smallest binade
     ulp = ((exp - 10 + 127) << 23).view(torch.float32)  # 2**(exp-10), always a normal fp32
-    q = a / ulp  # exact: division by a power of two without under/overflow
+    inv_ulp = ((10 - exp + 127) << 23).view(torch.float32)  # 2**(10-exp), normal for exp in [-14, 15]
+    q = a * inv_ulp  # exact (a power-of-two scaling without under/overflow): a / ulp, without a division
     fl = torch.floor(q)
     frac = q - fl  # exact, in [0, 1)
     if mode == "proportional":

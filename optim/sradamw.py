@@ -65,6 +65,16 @@ class _PendingSkip:
         return bool(self.host)  # pinned host memory: no device sync
 
 
+def _grad_amax(grads: list[torch.Tensor]) -> torch.Tensor:
+    """float32 ``[len(grads)]``: the largest magnitude of each gradient (NaN when it holds one), on their
+    device. The one choice of reduction: on CUDA one multi-tensor ``_foreach_norm(ord=inf)`` launch;
+    on the CPU ``aminmax`` per tensor (one vectorised pass, ~20x faster there than the norm's bf16 path)."""
+    if grads[0].device.type == "cpu":
+        ends = [torch.aminmax(g) for g in grads]
+        return torch.stack([torch.maximum(lo.abs(), hi.abs()) for lo, hi in ends]).to(torch.float32)
+    return torch.stack(torch._foreach_norm(grads, float("inf"))).to(torch.float32)
+
+
 def _validate_group(group: dict[str, Any]) -> None:
     """Raises ``ValueError`` naming the offending hyperparameter."""
     lr = group["lr"]
@@ -264,15 +274,24 @@ class SRAdamW(Optimizer):
 
     def _nonfinite(self, grad_mul: torch.Tensor | float | None) -> torch.Tensor | None:
         """float32 ``[1]`` on the first gradient's device: 1 when any gradient (times ``grad_mul``)
-        holds an inf or NaN; ``None`` without gradients. Not read."""
-        flags = []
+        holds an inf or NaN; ``None`` without gradients. Not read.
+
+        One read of every gradient: per device, the largest magnitude of each gradient
+        (:func:`_grad_amax`; NaN propagates), times ``|grad_mul|`` (rounding is monotonic, so the
+        largest product overflows exactly when one does)."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    g = p.grad if grad_mul is None else p.grad.to(torch.float32) * grad_mul
-                    flags.append(torch.isfinite(g).all().logical_not().reshape(1))
-        if not flags:
+                    by_device.setdefault(p.grad.device, []).append(p.grad.detach())
+        if not by_device:
             return None
+        flags = []
+        for grads in by_device.values():
+            amax = _grad_amax(grads)
+            if grad_mul is not None:
+                amax = amax * (grad_mul.abs().to(amax.device) if isinstance(grad_mul, torch.Tensor) else abs(grad_mul))
+            flags.append(torch.isfinite(amax).all().logical_not().reshape(1))
         return torch.cat([f.to(flags[0].device) for f in flags]).any().to(torch.float32).reshape(1)
 
     def _skip_flag(self, found_inf: Any, grad_mul: torch.Tensor | float | None) -> bool | torch.Tensor:
@@ -385,7 +404,7 @@ class SRAdamW(Optimizer):
         A bound follows the statistic from the gradient's absolute maximum alone (``m_bound = beta1 *
         m_bound + (1 - beta1) * amax|g|``, ``v_bound`` likewise with ``amax|g|**2``), so the update
         needs no second pass. A fixed number of multi-tensor operations per step whatever the number
-        of tensors (one ``_foreach_norm`` for the maxima, vector arithmetic, one ``_foreach_copy_``
+        of tensors on CUDA (one ``_foreach_norm`` for the maxima, vector arithmetic, one ``_foreach_copy_``
         back into the per-tensor bound states); the scales are elements of one vector that the
         update reads in place. Masked by the device skip flag, never read on the host."""
         scaled = [s for s in items if "exp_avg_bound" in self.state[s.param]]
@@ -393,7 +412,7 @@ class SRAdamW(Optimizer):
             return
         device = scaled[0].param.device
         states = [self.state[s.param] for s in scaled]
-        amax = torch.stack(torch._foreach_norm([s.grad.detach() for s in scaled], float("inf"))).to(torch.float32)
+        amax = _grad_amax([s.grad.detach() for s in scaled])
         if grad_mul is not None:
             amax = amax * (grad_mul.abs() if isinstance(grad_mul, torch.Tensor) else abs(grad_mul))
         bounds = [st[k] for k in ("exp_avg_bound", "exp_avg_sq_bound") for st in states]
