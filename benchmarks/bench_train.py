@@ -28,11 +28,12 @@ timed steps, and the largest batch that fits.
 Memory: on CUDA ``torch.cuda.max_memory_allocated()`` (weights, gradients, optimizer state and
 activations; the peak is reset after the warm-up steps); on CPU the peak resident set size during
 the timed steps minus the resident size before the model was built (Linux ``VmHWM``, reset after
-the warm-up). "Fits" means: on CUDA, two training steps without running out of memory; on CPU,
-a peak within ``--cpu-budget-mib`` (a stand-in for device memory, so the search can be exercised).
-The search doubles the batch from ``--batch`` up to ``--max-batch``, then bisects between the
-last batch that fitted and the first that did not, to ``--fit-tolerance`` (relative) or
-``--fit-granularity``. Every arm and setting runs in its own process (clean peak memory; a CUDA
+the warm-up), where "before" already holds the libraries' code: the worker first builds the arm
+small, trains one step on it and drops it, since much of that code loads on first use. "Fits"
+means: on CUDA, two training steps without running out of memory; on CPU, a peak within
+``--cpu-budget-mib`` (a stand-in for device memory, so the search can be exercised). The search
+doubles the batch from ``--batch`` up to ``--max-batch``, then bisects between the last batch that
+fitted and the first that did not, to ``--fit-tolerance`` (relative) or ``--fit-granularity``. Every arm and setting runs in its own process (clean peak memory; a CUDA
 out-of-memory error never poisons a later measurement), and a probe after a failure starts a
 fresh process.
 
@@ -43,10 +44,16 @@ Usage::
     python benchmarks/bench_train.py --fit none --ckpt off --steps 5   # quick look
     python benchmarks/bench_train.py --device cpu --fit none --accumulation 1 4   # embedding cache cost
     python benchmarks/bench_train.py --device cpu --fit none --ckpt off --no-baseline --compile   # torch.compile
+    python benchmarks/bench_train.py --device cpu --ckpt off --breakdown --steps 30   # per-phase times vs OpenCLIP
 
 ``--compile`` compiles the recipe arms' towers (:func:`recipe.engine.compile_towers`, ZeRO 0-2 configs)
 after the engine is built; the compilation falls in the warm-up steps, whose time each row reports as
 ``warmup_seconds``.
+
+``--breakdown`` instead times the phases of one step (data, forward, loss, backward, DeepSpeed's
+hooks, reduction, overflow check, norm, clipping, weight copies, the optimizer, the train step's own
+work) by wrapping timers around the callables that run them, the first recipe arm and the baseline
+alternating step by step in this one process, so that both see the same load; it reports medians.
 
 Output: a markdown table (device, versions, date) on stdout and a JSON file
 (``benchmarks/results/bench_train_<device>.json`` by default).
@@ -56,9 +63,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -92,6 +101,8 @@ __all__ = [
     "largest_fitting",
     "run_benchmark",
     "markdown_table",
+    "run_breakdown",
+    "breakdown_table",
     "main",
 ]
 
@@ -232,6 +243,7 @@ class RecipeRunner(Runner):
             a.engine, a.optimizer, self.loss_fn, a.precision, batches, self.state, max_nonfinite_in_row=10**9,
             contrastive_batch=self.contrastive_batch,
         )
+        # host read, once per step in every arm alike: the measurement checks that the losses are finite
         return float(result.loss)
 
 
@@ -315,6 +327,7 @@ class OpenClipRunner(Runner):
         self.opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             self.model.logit_scale.clamp_(0, math.log(100))
+        # host read, once per step in every arm alike: the measurement checks that the losses are finite
         return float(loss.detach())
 
 
@@ -368,6 +381,21 @@ def _preload(arm: str) -> None:
         import open_clip  # noqa: F401
 
 
+def _load_lazy_code(spec: dict[str, Any], device: torch.device) -> None:
+    """CPU: builds the arm once more, small (batch 2 per micro-batch, uncompiled), trains one step on it
+    and drops it, before the memory baseline. Much of the libraries' code loads on first use, not on
+    import (transformers' and timm's model code, tokenizers, DeepSpeed's ZeRO runtime: 75 MiB of
+    resident code for the recipe's tiny preset, 10 times its weights, gradients and optimizer state);
+    the resident set counts it, and the baseline is meant to hold it already (see :func:`_preload`)."""
+    k = int(spec.get("accumulation", 1))
+    small = {**spec, "compile": False, "batches": [{"batch": 2 * k}]}
+    runner = build_runner(small, device)
+    inputs = make_inputs(2 * k, runner.image_size, runner.text, spec["seed"])
+    runner.step({n: v.to(device) for n, v in inputs.items()})
+    del runner, inputs
+    gc.collect()
+
+
 def build_runner(spec: dict[str, Any], device: torch.device) -> Runner:
     """The runner an arm name stands for (``recipe-<mode>``, ``openclip``, ``torch-amp``)."""
     arm = spec["arm"]
@@ -396,6 +424,8 @@ def measure_worker(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None])
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     _preload(spec["arm"])
+    if device.type == "cpu":
+        _load_lazy_code(spec, device)
     meter = _Meter(device)
     runner = build_runner(spec, device)
     for entry in spec["batches"]:
@@ -447,6 +477,192 @@ def measure_worker(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None])
         del inputs
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# --breakdown: where one step's time goes, recipe and baseline interleaved in one process
+# ----------------------------------------------------------------------------------------------
+
+#: Rows of the breakdown table: (key, label). Exclusive times, derived in :func:`_exclusive_phases`.
+BREAKDOWN_ROWS = [
+    ("data", "data (inputs to the model's dtype)"),
+    ("forward", "forward (model, and DeepSpeed's forward wrapper)"),
+    ("loss", "loss"),
+    ("backward", "backward (autograd)"),
+    ("ds_hooks", "DeepSpeed: per-gradient hooks (bucket copies)"),
+    ("ds_reduce", "DeepSpeed: gradient reduction at the end of backward"),
+    ("ds_overflow", "DeepSpeed: overflow check"),
+    ("ds_norm", "DeepSpeed: gradient norm"),
+    ("ds_clip", "DeepSpeed: unscale and clip"),
+    ("optimizer", "optimizer step (SRAdamW / torch AdamW + zero_grad)"),
+    ("ds_allgather", "DeepSpeed: weight all-gather"),
+    ("ds_copy", "DeepSpeed: rest of engine.step (gradient flatten, weight copies)"),
+    ("step_own", "train step's own work (finite flags, outcome read, passes bookkeeping)"),
+    ("total", "total (median step)"),
+]
+
+
+class _PhaseClock:
+    """Inclusive wall time per phase of each step, from wrappers around the callables each phase runs
+    (the arms' own code runs unchanged; only timers are added around it). A wrapper counts only while
+    its clock is stepping: wrappers of module-level functions may stack when several arms share them.
+    On CUDA every timed call synchronises the device before and after (host syncs that exist only for
+    this diagnosis: without them a phase's time would be its kernel launches)."""
+
+    active: _PhaseClock | None = None
+
+    def __init__(self, device: torch.device) -> None:
+        self.now: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+        self.device = device
+
+    def wrap(self, owner: Any, attr: str, phase: str) -> None:
+        orig = getattr(owner, attr, None)
+        if orig is None:
+            return
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if _PhaseClock.active is not self:
+                return orig(*args, **kwargs)
+            _sync(self.device)
+            t0 = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                _sync(self.device)
+                self.now[phase] = self.now.get(phase, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, attr, timed)
+
+    def step(self, fn: Callable[[], Any]) -> None:
+        self.now = {}
+        _PhaseClock.active = self
+        try:
+            _sync(self.device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(self.device)
+            self.now["total"] = time.perf_counter() - t0
+        finally:
+            _PhaseClock.active = None
+        self.steps.append(self.now)
+
+
+def _clock_recipe(runner: RecipeRunner) -> _PhaseClock:
+    import recipe.passes
+
+    clock, engine = _PhaseClock(runner.device), runner.arm.engine
+    zero = engine.optimizer
+    clock.wrap(recipe.passes, "_inputs", "data")
+    clock.wrap(engine, "forward", "forward")
+    clock.wrap(runner, "loss_fn", "loss")
+    clock.wrap(engine, "backward", "backward_all")
+    clock.wrap(engine, "allreduce_gradients", "ds_reduce")
+    clock.wrap(engine, "step", "engine_step")
+    for attr, phase in (
+        ("process_gradients", "ds_hooks"),
+        ("check_overflow", "ds_overflow"),
+        ("scaled_global_norm", "ds_norm"),
+        ("unscale_and_clip_grads", "ds_clip"),
+        ("_optimizer_step", "optimizer"),
+    ):
+        clock.wrap(zero, attr, phase)
+    stage12 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2")
+    clock.wrap(stage12, "all_gather_dp_groups", "ds_allgather")
+    return clock
+
+
+def _clock_baseline(runner: OpenClipRunner) -> _PhaseClock:
+    clock = _PhaseClock(runner.device)
+    clock.wrap(runner.model, "forward", "forward")
+    clock.wrap(runner, "loss_fn", "loss")
+    clock.wrap(runner.opt, "step", "optimizer")
+    clock.wrap(runner.opt, "zero_grad", "zero_grad")
+    return clock
+
+
+def _exclusive_phases(t: dict[str, float], recipe_arm: bool) -> dict[str, float]:
+    """One step's inclusive phase times turned into the table's exclusive rows."""
+
+    def g(k: str) -> float:
+        return t.get(k, 0.0)
+
+    out = {k: g(k) for k in ("data", "forward", "loss", "ds_hooks", "ds_reduce", "ds_overflow", "ds_norm", "ds_clip",
+                             "optimizer", "ds_allgather")}
+    if recipe_arm:
+        out["backward"] = g("backward_all") - g("ds_hooks") - g("ds_reduce")
+        named = sum(g(k) for k in ("ds_overflow", "ds_norm", "ds_clip", "optimizer", "ds_allgather"))
+        out["ds_copy"] = g("engine_step") - named
+        out["step_own"] = g("total") - g("engine_step") - (
+            g("data") + g("forward") + g("loss") + g("backward_all")
+        )
+    else:  # what the wrappers leave: the backward pass (and the logit-scale clamp, the loss read)
+        out["optimizer"] = g("optimizer") + g("zero_grad")
+        out["backward"] = g("total") - g("forward") - g("loss") - out["optimizer"]
+    out["total"] = g("total")
+    return {k: out.get(k, 0.0) for k, _ in BREAKDOWN_ROWS}  # every row, 0 where the arm has no such phase
+
+
+def run_breakdown(s: BenchSettings, rounds: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Per-phase median times of one step, the recipe (its own :func:`recipe.step.train_step`) and
+    the baseline alternating step by step in this one process (same load for both)."""
+    s = resolve_settings(s)
+    for key in ("DS_ACCELERATOR", "TOKENIZERS_PARALLELISM"):  # what the workers get (before DeepSpeed loads)
+        if key in (env := _worker_env(s.device)):
+            os.environ.setdefault(key, env[key])
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    device = torch.device(s.device)
+    arms, missing = available_arms(s.loss_modes[:1], True, s.device)
+    ckpt = s.ckpt[0]
+    base = next(a for a in arms if not a.startswith("recipe-"))
+    recipe_spec = _spec(s, arms[0], ckpt, [{"batch": s.batch}], s.accumulation[0])
+    runners = [build_runner(recipe_spec, device), build_runner(_spec(s, base, ckpt, [{"batch": s.batch}]), device)]
+    inputs = []
+    for r in runners:
+        x = make_inputs(s.batch, r.image_size, r.text, s.seed)
+        inputs.append({k: v.to(device) for k, v in x.items()})
+    for _ in range(s.warmup):
+        for r, x in zip(runners, inputs):
+            r.step(x)
+    clocks = [_clock_recipe(runners[0]), _clock_baseline(runners[1])]
+    for i in range(rounds or s.steps):
+        for r, x, c in zip(runners, inputs, clocks):
+            c.step(lambda r=r, x=x: r.step(x))
+        log(f"  round {i + 1}: " + ", ".join(f"{r.name} {c.steps[-1]['total'] * 1e3:.1f} ms" for r, c in zip(runners, clocks)))
+    rows = {}
+    for r, c, is_recipe in zip(runners, clocks, (True, False)):
+        per_step = [_exclusive_phases(t, is_recipe) for t in c.steps]
+        rows[r.name] = {k: statistics.median(p.get(k, 0.0) for p in per_step) for k, _ in BREAKDOWN_ROWS}
+        rows[r.name]["samples_per_s"] = s.batch / rows[r.name]["total"]
+        rows[r.name]["description"] = r.description
+        rows[r.name]["steps"] = per_step
+    return {"settings": asdict(s), "environment": environment(s.device), "unavailable": missing,
+            "arms": [r.name for r in runners], "breakdown": rows}
+
+
+def breakdown_table(result: dict[str, Any]) -> str:
+    """The breakdown as a markdown table (milliseconds per step, medians over the rounds)."""
+    s, env, arms, rows = result["settings"], result["environment"], result["arms"], result["breakdown"]
+    v = env["versions"]
+    lines = [
+        (
+            f"**{env['device']}**, {env['date']}; torch {v['torch']}, deepspeed {v['deepspeed']}, open_clip "
+            f"{v['open_clip']}, {s['threads']} thread(s). Preset {s['preset']}, batch {s['batch']}, {s['steps']} "
+            f"rounds after {s['warmup']} warm-up rounds, arms alternating step by step in one process; "
+            "per-phase medians (they need not add up to the median total)."
+        ),
+        "",
+        "| phase (ms per step) | " + " | ".join(arms) + " |",
+        "|---|" + "---:|" * len(arms),
+    ]
+    for key, label in BREAKDOWN_ROWS:
+        lines.append(f"| {label} | " + " | ".join(f"{rows[a][key] * 1e3:.1f}" for a in arms) + " |")
+    lines.append("| samples/s (batch / median step) | " + " | ".join(f"{rows[a]['samples_per_s']:.0f}" for a in arms) + " |")
+    ratio = rows[arms[0]]["samples_per_s"] / rows[arms[1]]["samples_per_s"]
+    lines += ["", f"{arms[0]} / {arms[1]} samples/s: {ratio:.2f}×", ""]
+    lines += [f"- `{a}`: {rows[a]['description']}" for a in arms]
+    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -788,6 +1004,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per worker (default 1 on CPU)")
     ap.add_argument("--worker-timeout", type=float, default=BenchSettings.timeout_s, help="seconds per worker process")
     ap.add_argument("--json", default=None, help="output JSON (default benchmarks/results/bench_train_<device>.json)")
+    ap.add_argument(
+        "--breakdown", action="store_true",
+        help="instead: per-phase time of one step, the first recipe arm and the baseline alternating in one "
+        "process (--steps rounds; first --ckpt setting and --accumulation; writes bench_train_breakdown_<device>.json)",
+    )
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return ap
 
@@ -819,15 +1040,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         threads=args.threads,
         timeout_s=args.worker_timeout,
     )
+    kind = "cuda" if s.device.startswith("cuda") else "cpu"
+
+    def log(m: str) -> None:
+        print(m, file=sys.stderr, flush=True)
+
     try:
-        result = run_benchmark(s, log=lambda m: print(m, file=sys.stderr, flush=True))
+        if args.breakdown:
+            result = run_breakdown(s, log=log)
+            write_result(args.json or RESULTS / f"bench_train_breakdown_{kind}.json", result, breakdown_table(result))
+            return result
+        result = run_benchmark(s, log=log)
     except ValueError as err:
         raise SystemExit(str(err)) from err
-    write_result(
-        args.json or RESULTS / f"bench_train_{'cuda' if s.device.startswith('cuda') else 'cpu'}.json",
-        result,
-        markdown_table(result),
-    )
+    write_result(args.json or RESULTS / f"bench_train_{kind}.json", result, markdown_table(result))
     return result
 
 

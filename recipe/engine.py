@@ -4,6 +4,7 @@ any ZeRO stage."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import os
@@ -16,7 +17,7 @@ from .config import TrainConfig
 from .optimizer import build_optimizer
 from .precision import Precision
 
-__all__ = ["init_distributed", "build_engine", "compile_towers", "compiled_units", "eval_module"]
+__all__ = ["init_distributed", "build_engine", "engine_config", "compile_towers", "compiled_units", "eval_module"]
 
 
 def _free_port() -> int:
@@ -98,10 +99,42 @@ def build_engine(
         compile_towers(model, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)))
     opt = optimizer if optimizer is not None else build_optimizer(model, cfg, prec)
     group_params = {g["name"]: sum(p.numel() for p in g["params"]) for g in opt.param_groups}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=engine_config(ds_config, world, opt))
     if prec.mode == "fp16":
         engine.enable_backward_allreduce = False  # done by allreduce_gradients (see recipe.precision)
     return engine, opt, group_params
+
+
+def engine_config(ds_config: dict[str, Any], world_size: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The config handed to ``deepspeed.initialize``: ``ds_config`` with the settings the recipe chooses
+    from the world size and the optimizer, in this one place (the JSON keeps precision, batch and stage):
+
+    * ``bf16.check_grad_overflow`` off when the optimizer is SRAdamW with its gradient check: the train
+      step (:mod:`recipe.step`) owns "finite or not, skip or stop", with SRAdamW's device-side check of
+      the very gradients it applies; DeepSpeed's ZeRO-1/2 check was a second owner, with its own pass
+      over every gradient, an all-reduce and a host read per step. A non-finite gradient still skips
+      the step: DeepSpeed's clipping scales the gradients by 0 for a non-finite norm, which leaves
+      inf/NaN entries NaN, and SRAdamW skips. (One case differs: all gradients finite in bf16 but
+      beyond ~1e19, so that their fp32 norm overflows; DeepSpeed's check skipped that step, now it is
+      a step with zero gradients.) Other optimizers (the benchmarks' comparison arms) keep DeepSpeed's
+      check; ZeRO-3 and fp32 never used this setting.
+    * One rank, ZeRO 1/2: ``zero_optimization.contiguous_gradients`` off unless the JSON sets it. With
+      nothing to communicate, copying each gradient into a reduction bucket as backward produces it
+      only adds a copy of every gradient (and the bucket's memory); the gradients are flattened once
+      for the optimizer step either way. Results are bit for bit the same. Several ranks keep
+      DeepSpeed's default (contiguous buckets overlap with the reduction).
+    """
+    cfg = copy.deepcopy(ds_config)
+    from optim import SRAdamW
+
+    bf16 = cfg.get("bf16", cfg.get("bfloat16"))
+    if isinstance(bf16, dict) and bf16.get("enabled") and isinstance(optimizer, SRAdamW) and optimizer.check_finite:
+        bf16["check_grad_overflow"] = False
+    zero = cfg.get("zero_optimization")
+    if world_size == 1 and isinstance(zero, dict) and int(zero.get("stage", 0)) in (1, 2):
+        zero.setdefault("contiguous_gradients", False)
+    return cfg
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ Host synchronisations: none before the optimizer step is queued (the non-finite 
 and, on the fp16 route, the gradient multiplier are device tensors handed to SRAdamW, which folds in
 its own gradient check on the device); one per optimizer step afterwards, where the outcome is read
 (:func:`read_outcome`), because skipping changes host state (counters, the loss scale of the next
-step, the stop decision). DeepSpeed's ZeRO step synchronises on its own (overflow check, norm).
+step, the stop decision). DeepSpeed's ZeRO step synchronises on its own (the clipping norm; its bf16
+overflow check, a second owner of the finite check, is off: :func:`recipe.engine.engine_config`).
 """
 
 from __future__ import annotations

@@ -129,6 +129,33 @@ def test_bench_train_cpu_smoke(tmp_path: Path) -> None:
     assert result["environment"]["versions"]["torch"] == torch.__version__
 
 
+def test_bench_train_breakdown_cpu(tmp_path: Path) -> None:
+    """--breakdown: the recipe's own train step and the baseline alternate in one process; every phase's
+    timer is wired (the rows of each step add up to its total) and DeepSpeed's overflow check, a second
+    owner of the train step's finite check, does not run."""
+    out = tmp_path / "breakdown.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu", "--batch", "8", "--steps", "3",
+           "--warmup", "1", "--ckpt", "off", "--loss-modes", "plain", "--breakdown", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    recipe_arm, baseline = result["arms"]
+    assert recipe_arm == "recipe-plain" and baseline in ("openclip", "torch-amp")
+    parts = [k for k, _ in bench_train.BREAKDOWN_ROWS if k != "total"]
+    for arm in result["arms"]:
+        row = result["breakdown"][arm]
+        assert len(row["steps"]) == 3 and row["samples_per_s"] == pytest.approx(8 / row["total"])
+        for step in row["steps"]:
+            assert sum(step[k] for k in parts) == pytest.approx(step["total"], rel=1e-9)
+            assert all(step[k] >= 0 for k in parts), step
+    mine, base = result["breakdown"][recipe_arm], result["breakdown"][baseline]
+    for k in ("forward", "loss", "backward", "optimizer", "ds_norm", "ds_reduce", "ds_copy"):
+        assert mine[k] > 0, k
+    assert all(s["ds_overflow"] == 0 for s in mine["steps"])  # the train step owns the finite check
+    assert base["forward"] > 0 and base["optimizer"] > 0 and base["ds_norm"] == 0
+    assert result["markdown"] in proc.stdout and "| total (median step) |" in result["markdown"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_train_cuda_tiny(tmp_path: Path) -> None:

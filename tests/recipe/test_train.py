@@ -4,6 +4,7 @@ non-finite guard skips, counts and stops."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -160,3 +161,91 @@ def test_nonfinite_guard_skips_counts_and_stops(data: Path, tmp_path: Path) -> N
     stop = train_cfg(data, tmp_path / "stop", ds, steps=6, max_nonfinite_in_row=3)
     results = run([stop], fail="always")
     assert "3 non-finite steps in a row" in results[0][0]["error"]
+
+
+# --------------------------------------------------------------------------------------------------
+# one rank: the engine settings chosen from the world size (recipe.engine.engine_config)
+# --------------------------------------------------------------------------------------------------
+
+
+def _one_rank_engines_worker(rank: int, world: int, name: str) -> dict:
+    import torch
+
+    import recipe.engine as E
+    from recipe.config import ModelConfig, TrainConfig
+    from recipe.loss import ClipLoss
+    from recipe.model import create_model
+    from recipe.precision import resolve_precision
+    from recipe.step import TrainState, train_step
+
+    E.init_distributed()
+    cfg = json.loads((ROOT / "ds_configs" / name).read_text())
+    cfg["train_micro_batch_size_per_gpu"] = 8
+    keep = E.engine_config
+    arms = []
+    for chosen in (False, True):  # DeepSpeed's defaults as the JSON gives them, then the recipe's choices
+        E.engine_config = keep if chosen else (lambda c, w, o: c)
+        try:
+            prec, ds = resolve_precision(cfg)
+            torch.manual_seed(0)
+            model = create_model("tiny")
+            engine, opt, _ = E.build_engine(model, TrainConfig(model=ModelConfig(preset="tiny")), prec, ds)
+        finally:
+            E.engine_config = keep
+        arms.append((engine, opt, prec, TrainState()))
+    g = torch.Generator().manual_seed(1)
+    batch = {
+        "pixel_values": torch.randn(8, 3, 32, 32, generator=g),
+        "input_ids": torch.randint(3, 300, (8, 16), generator=g),
+        "attention_mask": torch.ones(8, 16, dtype=torch.long),
+    }
+    batch["input_ids"][:, 0], batch["input_ids"][:, -1] = 1, 2  # the tiny preset's begin and end of text
+    loss_fn = ClipLoss(validate=False)
+    losses: list[list[float]] = [[], []]
+    for step in range(4):
+        for i, (engine, opt, prec, state) in enumerate(arms):
+            fn = functools.partial(_nan_loss, loss_fn) if step == 2 else loss_fn  # step 2: a NaN loss
+            r = train_step(engine, opt, fn, prec, [batch], state, max_nonfinite_in_row=5)
+            losses[i].append(float("nan") if r.skipped else float(r.loss))
+    a, b = (e.module.state_dict() for e, *_ in arms)
+    return {
+        "losses": losses,
+        "equal": all(torch.equal(a[k], b[k]) for k in a),
+        "nonfinite": [s.nonfinite_steps for *_, s in arms],
+        "contiguous": [e.optimizer.contiguous_gradients for e, *_ in arms],
+        "check_overflow": [e.optimizer.check_grad_overflow for e, *_ in arms],
+    }
+
+
+def _nan_loss(loss_fn, *args, **kwargs):
+    from recipe.loss import LossResult
+
+    loss, metrics = loss_fn(*args, **kwargs)
+    return LossResult(loss * float("nan"), metrics)
+
+
+@pytest.mark.parametrize("name", ["zero1_bf16_halfmaster.json", "zero2_bf16_halfmaster.json", "zero2_fp32.json"])
+def test_one_rank_engine_settings_change_no_result(name: str) -> None:
+    """One rank, ZeRO 1/2: without contiguous gradient buckets and without DeepSpeed's overflow check
+    (bf16; SRAdamW's check owns it), training is bit for bit what DeepSpeed's defaults give, a
+    non-finite step included."""
+    (got,) = run_distributed(_one_rank_engines_worker, 1, name, init_process_group=False, env=ENV, timeout_s=600)
+    assert got["equal"], got
+    defaults, chosen = got["losses"]
+    assert [math.isnan(x) for x in chosen] == [False, False, True, False], chosen
+    assert [x for x in defaults if not math.isnan(x)] == [x for x in chosen if not math.isnan(x)], got["losses"]
+    assert got["nonfinite"] == [1, 1]
+    assert got["contiguous"] == [True, False]
+    assert got["check_overflow"][1] is False and got["check_overflow"][0] is ("bf16" in name)
+
+
+def test_one_rank_resume_continues_bit_identically(data: Path, tmp_path: Path) -> None:
+    """One rank, ZeRO-2 bf16 (no contiguous gradient buckets there): resume reproduces the run."""
+    ds = ds_json(tmp_path, "zero2_bf16_halfmaster.json")
+    full = train_cfg(data, tmp_path / "full", ds, steps=6, save_every=3)
+    resumed = train_cfg(data, tmp_path / "resumed", ds, steps=6, resume=str(tmp_path / "full" / "checkpoints" / "step00000003"))
+    run_distributed(_train_worker, 1, [full, resumed], None, init_process_group=False, env=ENV, timeout_s=900)
+    a, b = losses_of(tmp_path / "full"), losses_of(tmp_path / "resumed")
+    assert sorted(b) == [4, 5, 6]
+    for s in (4, 5, 6):
+        assert b[s] == a[s], (s, a[s], b[s])
