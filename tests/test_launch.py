@@ -129,12 +129,22 @@ def test_a_second_run_into_a_locked_directory_refuses(work: Path) -> None:
     assert json.loads((run / "run.lock").read_text()) == holder and not (run / "config.json").exists()
 
 
+def _as_from_a_terminal() -> None:
+    """In the child before exec: the signal state of a job started from a shell. Signals blocked or
+    ignored in this test process (libraries loaded by earlier tests may leave them so) would be
+    inherited, and a shell started with SIGINT ignored cannot trap it."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def start_long_run(work: Path, name: str) -> subprocess.Popen:
     """A run far longer than the test, returned once it has logged two steps."""
     proc = subprocess.Popen(
         ["bash", str(LAUNCH), "--train-data", "data/train.csv", "--steps", "100000", "--log-every", "1",
          "--eval-every", "0", "--workers", "0", "--vocab-size", "300", "--output-dir", f"runs/{name}"],
         cwd=work, env=env(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=_as_from_a_terminal,
     )
     run = work / "runs" / name
     deadline = time.monotonic() + 300
