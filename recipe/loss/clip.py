@@ -112,7 +112,38 @@ class LossResult(NamedTuple):
     metrics: dict[str, Tensor]
 
 
-class ClipLoss(nn.Module):
+class ShardedLoss(nn.Module):
+    """What :class:`ClipLoss` and ``SigLipLoss`` share: the mode (a key of the subclass's ``MODES``),
+    the chunk size, the process group, input validation and the cache of exchanged sizes (their
+    arguments are documented on the subclasses)."""
+
+    MODES: dict = {}
+
+    def __init__(
+        self,
+        mode: str = "plain",
+        chunk_size: int = 4096,
+        group: dist.ProcessGroup | None = None,
+        validate: bool = True,
+        cache_sizes: bool = True,
+    ) -> None:
+        super().__init__()
+        if mode not in self.MODES:
+            raise ValueError(f"unknown {type(self).__name__} mode {mode!r}; available: {sorted(self.MODES)}")
+        if int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        self.mode = mode
+        self.chunk_size = int(chunk_size)
+        self.group = group
+        self.validate = validate
+        # the ranks' sizes after the first call (recipe.loss.inputs); None: read them every call
+        self._size_cache = SizeCache() if cache_sizes else None
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return f"mode={self.mode!r}, chunk_size={self.chunk_size}"
+
+
+class ClipLoss(ShardedLoss):
     """CLIP's symmetric contrastive loss over the embeddings gathered from all ranks.
 
     Call ``loss, metrics = loss_fn(image_features, text_features, logit_scale, logit_bias=None)`` on
@@ -137,28 +168,7 @@ class ClipLoss(nn.Module):
             call), for ranks whose batch sizes vary independently and are not known to the caller.
     """
 
-    def __init__(
-        self,
-        mode: str = "plain",
-        chunk_size: int = 4096,
-        group: dist.ProcessGroup | None = None,
-        validate: bool = True,
-        cache_sizes: bool = True,
-    ) -> None:
-        super().__init__()
-        if mode not in LOSS_MODES:
-            raise ValueError(f"unknown ClipLoss mode {mode!r}; available: {sorted(LOSS_MODES)}")
-        if int(chunk_size) < 1:
-            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-        self.mode = mode
-        self.chunk_size = int(chunk_size)
-        self.group = group
-        self.validate = validate
-        # the ranks' sizes after the first call (recipe.loss.inputs); None: read them every call
-        self._size_cache = SizeCache() if cache_sizes else None
-
-    def extra_repr(self) -> str:  # noqa: D102
-        return f"mode={self.mode!r}, chunk_size={self.chunk_size}"
+    MODES = LOSS_MODES
 
     def forward(
         self,

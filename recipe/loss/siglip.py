@@ -66,11 +66,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from .clip import LossResult
+from .clip import LossResult, ShardedLoss
 from .gather import all_gather_with_grad
-from .inputs import SizeCache, check_inputs, rank_sizes
+from .inputs import check_inputs, rank_sizes
 from .matmul import MatmulF32, grad_matmul_dtype, mm_f32, no_autocast
 
 __all__ = ["SIGLIP_MODES", "SigLipLoss", "SigmoidOutput", "chunked_sigmoid_loss"]
@@ -237,7 +237,7 @@ def chunked_sigmoid_loss(
 SIGLIP_MODES: dict[str, SigLipModeFn] = {"plain": plain_sigmoid_loss, "chunked": chunked_sigmoid_loss}
 
 
-class SigLipLoss(nn.Module):
+class SigLipLoss(ShardedLoss):
     """SigLIP's pairwise sigmoid loss over the text embeddings gathered from all ranks.
 
     Call ``loss, metrics = loss_fn(image_features, text_features, logit_scale, logit_bias)`` on every
@@ -262,28 +262,7 @@ class SigLipLoss(nn.Module):
             call), for ranks whose batch sizes vary independently and are not known to the caller.
     """
 
-    def __init__(
-        self,
-        mode: str = "plain",
-        chunk_size: int = 4096,
-        group: dist.ProcessGroup | None = None,
-        validate: bool = True,
-        cache_sizes: bool = True,
-    ) -> None:
-        super().__init__()
-        if mode not in SIGLIP_MODES:
-            raise ValueError(f"unknown SigLipLoss mode {mode!r}; available: {sorted(SIGLIP_MODES)}")
-        if int(chunk_size) < 1:
-            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-        self.mode = mode
-        self.chunk_size = int(chunk_size)
-        self.group = group
-        self.validate = validate
-        # the ranks' sizes after the first call (recipe.loss.inputs); None: read them every call
-        self._size_cache = SizeCache() if cache_sizes else None
-
-    def extra_repr(self) -> str:
-        return f"mode={self.mode!r}, chunk_size={self.chunk_size}"
+    MODES = SIGLIP_MODES
 
     def forward(
         self,
