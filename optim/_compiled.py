@@ -26,13 +26,14 @@ from .functional import (
     _M32,
     HYPERPARAMETERS,
     TensorStep,
-    _as_i32,
     _skip_mask,
+    lo_tensor,
     rounding_flags,
     segment_words,
     segments,
     step_tensors,
     update_block_,
+    words_table,
 )
 
 __all__ = ["compiled_updates_", "available", "unavailable_reason"]
@@ -109,7 +110,8 @@ def compiled_updates_(
 ) -> None:
     """Applies one step to each tensor with the compiled update (CPU tensors)."""
     skip = _skip_mask(found_inf)
-    for s in specs:
+    table = words_table(specs) if specs else None  # the key words of all tensors at once (index high half 0)
+    for i, s in enumerate(specs):
         param = s.param if s.param.is_contiguous() else s.param.contiguous()
         device = param.device
         hp, m_scales, v_scales, gmul = step_tensors(s, grad_mul, device)
@@ -122,8 +124,8 @@ def compiled_updates_(
         fn = _compiled(route)
         for start, length in segments(s.index_offset, param.numel(), MAX_BLOCK):
             at = s.index_offset + start
-            words = segment_words(s.keys, at >> 32).to(device)
-            lo0 = torch.tensor(_as_i32(at & _M32), dtype=torch.int32, device=device)
+            words = table[i] if at >> 32 == 0 else segment_words(s.keys, at >> 32)
+            lo0 = lo_tensor(at & _M32, device)
             whole = start == 0 and length == param.numel()
             block = flat if whole else [t[start:start + length] if t is not None else None for t in flat]
             fn(*block, hp, words, lo0, m_scales, v_scales, gmul, skip, sr_p, sr_m, sr_v, s.clamp is not None)

@@ -173,22 +173,19 @@ if triton is not None:
 
     @triton.jit
     def _sr_f16(x, r16):
-        """optim.rounding._round_f16 (proportional, noise ``r16`` in [0, 2**16)): x rounded to float16."""
-        a = tl.abs(x)
-        finite = a < float("inf")
-        a = tl.where(finite, tl.minimum(a, 65504.0), 0.0)
-        e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        e = tl.maximum(e, -14)  # subnormals share the smallest binade's spacing
-        ulp = ((e + 117) << 23).to(tl.float32, bitcast=True)  # 2**(e - 10)
-        inv_ulp = ((137 - e) << 23).to(tl.float32, bitcast=True)  # 2**(10 - e): a * inv_ulp == a / ulp
-        q = a * inv_ulp
-        fl = tl.floor(q)
-        frac = q - fl
-        up = r16.to(tl.float32) < frac * 65536.0
-        mag = (fl + up.to(tl.float32)) * ulp
-        sign = x.to(tl.uint32, bitcast=True) & 0x80000000
-        signed = (mag.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-        return tl.where(finite, signed, x).to(tl.float16)
+        """optim.rounding._round_f16 (proportional, noise ``r16`` in [0, 2**16), its top 13 bits used):
+        x rounded to float16, saturating at 65504; infinities and NaN stay, sign kept.
+
+        The product by 2**-112 maps float16's grid onto float32's: float16's normal range onto the
+        lowest normal binades (13 significand bits dropped), its subnormal range onto float32's
+        subnormals with spacing 2**13 units, so one add-and-truncate of the 13 low bits rounds both.
+        The product rounds bits below float32's subnormal unit to nearest, as the reference's
+        addition of 2**-14 does (the same grid), and the kernel keeps subnormals (no ``.ftz``)."""
+        c = tl.minimum(tl.maximum(x, -65504.0), 65504.0)
+        y = c * 1.925929944387236e-34  # 2**-112
+        yb = y.to(tl.uint32, bitcast=True) + (r16 >> 3)  # the sign bit stays: |y| < 2**-96
+        rounded = (yb & 0xFFFFE000).to(tl.float32, bitcast=True) * 5.192296858534828e+33  # 2**112, exact
+        return tl.where(tl.abs(x) < float("inf"), rounded, x).to(tl.float16)
 
     @triton.jit
     def _store_rounded(addr, offs, mask, x, r16, KIND: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr,

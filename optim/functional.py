@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
@@ -321,7 +322,7 @@ def step_tensors(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(hp, m_scales, v_scales, grad_mul)`` of :func:`update_block_` for one tensor's step."""
     gm = grad_mul if isinstance(grad_mul, (int, float)) else 1.0
-    hp = torch.tensor([hyperparameters(s, gm)[k] for k in HYPERPARAMETERS], dtype=torch.float32, device=device)
+    hp = _hp_tensor(tuple(hyperparameters(s, gm).values()), torch.device(device))
     gmul = None
     if isinstance(grad_mul, torch.Tensor):
         gmul = grad_mul.detach().reshape(()).to(device=device, dtype=torch.float32)
@@ -330,6 +331,26 @@ def step_tensors(
     m_scales = torch.stack([x.reshape(()) for x in s.exp_avg_scales]) if s.exp_avg_scales is not None else None
     v_scales = torch.stack([x.reshape(()) for x in s.exp_avg_sq_scales]) if s.exp_avg_sq_scales is not None else None
     return hp, m_scales, v_scales, gmul
+
+
+@functools.lru_cache(maxsize=256)
+def _hp_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """The float32 ``hp`` vector of these hyperparameter values (cached: the tensors of a group share
+    one per step; read only)."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def lo_tensor(at: int, device: torch.device) -> torch.Tensor:
+    """int32 0-dim: the low 32 bits of noise index ``at`` (the ``lo0`` of :func:`update_block_`;
+    cached, read only)."""
+    return torch.tensor(_as_i32(at & _M32), dtype=torch.int32, device=device)
+
+
+def words_table(specs: Sequence[TensorStep]) -> torch.Tensor:
+    """int32 ``[len(specs), 4]`` (CPU): :func:`segment_words` of every tensor's keys for high half 0, in
+    a few tensor operations for all tensors (per tensor they cost ~150 us of host time)."""
+    return segment_words(torch.stack([key_pair(s.keys) for s in specs]), 0)
 
 
 def rounding_flags(s: TensorStep) -> tuple[bool, bool, bool]:
@@ -342,11 +363,14 @@ def rounding_flags(s: TensorStep) -> tuple[bool, bool, bool]:
 
 def segment_words(keys: tuple[int, int] | torch.Tensor, hi: int) -> torch.Tensor:
     """int32 ``[4]`` (CPU) of :func:`update_block_`'s ``words`` for the elements whose noise index has
-    high half ``hi``: ``[a_weight ^ hi * golden, b_weight, a_state ^ hi * golden, b_state]``."""
-    a, b = key_words_tensor(key_pair(keys))
+    high half ``hi``: ``[a_weight ^ hi * golden, b_weight, a_state ^ hi * golden, b_state]``; for
+    keys ``[T, 2]`` (int64) the rows ``[T, 4]`` of all of them."""
+    pairs = keys if isinstance(keys, torch.Tensor) and keys.dim() == 2 else key_pair(keys).reshape(1, 2)
+    a, b = key_words_tensor(pairs)
     a = a ^ ((hi * _GOLDEN) & _M32)
-    words = torch.stack([a[0], b[0], a[1], b[1]])
-    return (((words + (1 << 31)) & _M32) - (1 << 31)).to(torch.int32)  # uint32 patterns as int32
+    words = torch.stack([a[:, 0], b[:, 0], a[:, 1], b[:, 1]], 1)
+    words = (((words + (1 << 31)) & _M32) - (1 << 31)).to(torch.int32)  # uint32 patterns as int32
+    return words if pairs is keys else words[0]
 
 
 def segments(offset: int, n: int, limit: int) -> list[tuple[int, int]]:
@@ -389,7 +413,7 @@ def apply_update_(
     for start, length in segments(s.index_offset, param.numel(), chunk_size):
         at = s.index_offset + start
         words = segment_words(s.keys, at >> 32).to(device)
-        lo0 = torch.tensor(_as_i32(at & _M32), dtype=torch.int32, device=device)
+        lo0 = lo_tensor(at & _M32, torch.device(device))
         chunk = [t[start:start + length] if t is not None else None for t in flat]
         update_block_(*chunk, hp, words, lo0, m_scales, v_scales, gmul, skip, sr_p, sr_m, sr_v,
                       s.clamp is not None, sqrt_fn=_sqrt_ieee)

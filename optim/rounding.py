@@ -3,8 +3,8 @@
 The noise is a pure function of ``(key, element index)``: a 32-bit key is derived on the host from
 the seed, the data-parallel rank, the tensor's position in the optimizer, the step and the stream
 (weight or statistics), and every element hashes its global index with that key (one lowbias32 hash
-with the key injected twice, see :func:`random_bits_reference`). A rounding consumes 16 of the 32
-bits, so one hash serves two roundings (the optimizer's two statistics). The same definition is used
+with the key injected twice, see :func:`random_bits_reference`). A rounding takes its noise from 16 of
+the 32 bits (float16 from the top 13 of them), so one hash serves two roundings (the optimizer's two statistics). The same definition is used
 by the PyTorch paths here and by the fused GPU kernel, so all draw the same numbers, a run is
 reproducible from ``(seed, step)`` alone, and a ZeRO partition of any length (beyond 2**31 elements
 included) is processed chunk by chunk without any stored generator state.
@@ -12,10 +12,13 @@ included) is processed chunk by chunk without any stored generator state.
 Rounding rules (both target dtypes):
 
 * ``mode="proportional"`` rounds ``x`` to the neighbour above ``|x|`` (in magnitude) with probability
-  ``(|x| - lo) / (hi - lo)``, so ``E[result] == x``; the probability is quantised to 2**-16 (exact for
-  bfloat16, whose 16 discarded bits are the noise's width, and for float16's normal range, which
-  discards 13; rounded up to the next 2**-16 in float16's subnormal range).
-* ``mode="equal"`` picks either neighbour with probability 1/2 (unbiased only on average over x).
+  ``(|x| - lo) / (hi - lo)``, so ``E[result] == x``. The probability is quantised to the dropped bits:
+  bfloat16 draws 16 bits of noise for its 16 dropped bits, float16 13 bits for its 13 (exact in the
+  normal range); in float16's subnormal range (below 2**-14, spacing 2**-24) the distance is first
+  rounded to the nearest 2**-13 of the spacing (one float32 addition, see :func:`_round_f16`), a bias
+  of at most 2**-38 in absolute value.
+* ``mode="equal"`` picks either neighbour with probability 1/2 (unbiased only on average over x;
+  float16 values below 2**-38 are rounded to zero).
 * Representable values are returned exactly; ``±0``, ``±inf`` and NaN are preserved; finite values
   beyond the largest finite value of the target saturate to ``±max`` instead of becoming infinite;
   float16's subnormal range (spacing 2**-24 below 2**-14) is rounded with its true spacing.
@@ -249,23 +252,23 @@ def _round_bf16(x: torch.Tensor, bits: torch.Tensor, mode: Mode) -> torch.Tensor
 
 
 def _round_f16(x: torch.Tensor, bits: torch.Tensor, mode: Mode) -> torch.Tensor:
-    a = x.abs()
-    finite = torch.isfinite(x)
-    a = torch.where(finite, a.clamp(max=65504.0), torch.zeros_like(a))
-    exp = ((a.view(torch.int32) >> 23) & 0xFF) - 127
-    exp = exp.clamp(min=-14)  # subnormal range shares the spacing of the smallest binade
-    ulp = ((exp - 10 + 127) << 23).view(torch.float32)  # 2**(exp-10), always a normal fp32
-    inv_ulp = ((10 - exp + 127) << 23).view(torch.float32)  # 2**(10-exp), normal for exp in [-14, 15]
-    q = a * inv_ulp  # exact (a power-of-two scaling without under/overflow): a / ulp, without a division
-    fl = torch.floor(q)
-    frac = q - fl  # exact, in [0, 1)
+    # Below float16's normal range (2**-14) the spacing is 2**-24 whatever the exponent: adding 2**-14
+    # (one float32 addition, round to nearest) moves such a value into the binade [2**-14, 2**-13),
+    # whose float16 spacing is the same 2**-24, and subtracting it after the rounding is exact. Every
+    # value then drops exactly the 13 low bits of its float32 significand. (Written with two bit casts
+    # only: on the CPU each one costs Inductor's loop a pass through memory.)
+    a = x.abs().clamp(max=65504.0)  # finite overflow saturates to the largest float16
+    offset = torch.where(a < 2.0**-14, 2.0**-14, 0.0)
+    shifted = (a + offset).view(torch.int32)
     if mode == "proportional":
-        up = _srl(bits, 16).to(torch.float32) < frac * 65536.0  # exact: frac * 2**16 is a float32
+        # 13 bits of noise added to the 13 dropped bits carry into the kept ones exactly when
+        # low + r >= 2**13 (the kernel's decision)
+        rounded = (shifted + _srl(bits, 19)) & ~0x1FFF
     else:
-        up = (frac > 0) & (bits < 0)  # top bit
-    mag = (fl + up.to(torch.float32)) * ulp  # exactly representable in float16
-    out = torch.where(finite, torch.copysign(mag, x), x)
-    return out.to(torch.float16)
+        low = shifted & 0x1FFF
+        rounded = (shifted - low) + (((low != 0) & (bits < 0)).to(torch.int32) << 13)  # top bit
+    mag = rounded.view(torch.float32) - offset  # exact: both are multiples of the spacing
+    return torch.where(torch.isfinite(x), torch.copysign(mag, x), x).to(torch.float16)  # exact; inf/NaN stay
 
 
 def round_with_bits(

@@ -272,37 +272,47 @@ class SRAdamW(Optimizer):
                 state["step"] -= 1
             self._skipped_steps += 1
 
-    def _nonfinite(self, grad_mul: torch.Tensor | float | None) -> torch.Tensor | None:
-        """float32 ``[1]`` on the first gradient's device: 1 when any gradient (times ``grad_mul``)
-        holds an inf or NaN; ``None`` without gradients. Not read.
+    def _has_scaled_states(self) -> bool:
+        """Whether any tensor keeps float16 statistics with scales (decided by the state dtype)."""
+        return any((g["state_dtype"] or p.dtype) == torch.float16 for g in self.param_groups for p in g["params"])
 
-        One read of every gradient: per device, the largest magnitude of each gradient
-        (:func:`_grad_amax`; NaN propagates), times ``|grad_mul|`` (rounding is monotonic, so the
-        largest product overflows exactly when one does)."""
+    def _grad_maxima(self) -> dict[torch.device, torch.Tensor]:
+        """Per device, the largest magnitude of each gradient (:func:`_grad_amax`, NaN propagates) in
+        the order of the parameter groups: the one read of the gradients that both the non-finite
+        check and the float16 state scales use. Not read on the host."""
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     by_device.setdefault(p.grad.device, []).append(p.grad.detach())
-        if not by_device:
+        return {device: _grad_amax(grads) for device, grads in by_device.items()}
+
+    @staticmethod
+    def _nonfinite(maxima: dict[torch.device, torch.Tensor], grad_mul: torch.Tensor | float | None) -> torch.Tensor | None:
+        """float32 ``[1]`` on the first gradient's device: 1 when any gradient (times ``grad_mul``)
+        holds an inf or NaN; ``None`` without gradients. Not read.
+
+        From the gradients' maxima (:meth:`_grad_maxima`) times ``|grad_mul|`` (rounding is
+        monotonic, so the largest product overflows exactly when one does)."""
+        if not maxima:
             return None
         flags = []
-        for grads in by_device.values():
-            amax = _grad_amax(grads)
+        for amax in maxima.values():
             if grad_mul is not None:
                 amax = amax * (grad_mul.abs().to(amax.device) if isinstance(grad_mul, torch.Tensor) else abs(grad_mul))
             flags.append(torch.isfinite(amax).all().logical_not().reshape(1))
         return torch.cat([f.to(flags[0].device) for f in flags]).any().to(torch.float32).reshape(1)
 
-    def _skip_flag(self, found_inf: Any, grad_mul: torch.Tensor | float | None) -> bool | torch.Tensor:
+    def _skip_flag(self, found_inf: Any, grad_mul: torch.Tensor | float | None,
+                   maxima: dict[torch.device, torch.Tensor]) -> bool | torch.Tensor:
         """The step's skip decision: a bool decided on the host, or a 0-dim bool tensor that the
-        update applies on its device (see :meth:`_defers`)."""
+        update applies on its device (see :meth:`_defers`). ``maxima``: :meth:`_grad_maxima`."""
         found = None
         if isinstance(found_inf, torch.Tensor) and self._defers(found_inf):
             found = found_inf.detach().reshape(1).to(torch.float32)
         elif found_inf is not None and float(found_inf) != 0.0:  # a number or CPU memory: no device sync
             return True
-        bad = self._nonfinite(grad_mul) if self.check_finite else None
+        bad = self._nonfinite(maxima, grad_mul) if self.check_finite else None
         if bad is None:
             return False if found is None else found.reshape(()) != 0
         # [found_inf, non-finite gradients], where the gradients are (a device flag crossing to CPU
@@ -396,7 +406,8 @@ class SRAdamW(Optimizer):
             s.keys = k
 
     def _f16_scales(
-        self, items: list[TensorStep], grad_mul: torch.Tensor | float | None, skip: torch.Tensor | None
+        self, items: list[TensorStep], grad_mul: torch.Tensor | float | None, skip: torch.Tensor | None,
+        maxima: torch.Tensor | None,
     ) -> None:
         """Advances the running bounds of every float16 statistic on one device and sets the steps'
         ``(old, new)`` power-of-two state scales, for all such tensors at once.
@@ -406,13 +417,17 @@ class SRAdamW(Optimizer):
         needs no second pass. A fixed number of multi-tensor operations per step whatever the number
         of tensors on CUDA (one ``_foreach_norm`` for the maxima, vector arithmetic, one ``_foreach_copy_``
         back into the per-tensor bound states); the scales are elements of one vector that the
-        update reads in place. Masked by the device skip flag, never read on the host."""
-        scaled = [s for s in items if "exp_avg_bound" in self.state[s.param]]
-        if not scaled:
+        update reads in place. Masked by the device skip flag, never read on the host. ``maxima``:
+        the gradients' maxima of ``items`` in order (:meth:`_grad_maxima`)."""
+        picked = [i for i, s in enumerate(items) if "exp_avg_bound" in self.state[s.param]]
+        if not picked:
             return
+        scaled = [items[i] for i in picked]
         device = scaled[0].param.device
         states = [self.state[s.param] for s in scaled]
-        amax = _grad_amax([s.grad.detach() for s in scaled])
+        if maxima is None or maxima.numel() != len(items):
+            raise RuntimeError("SRAdamW: gradient maxima do not match the tensors of the step")
+        amax = maxima if len(picked) == len(items) else maxima[torch.tensor(picked, device=maxima.device)]
         if grad_mul is not None:
             amax = amax * (grad_mul.abs() if isinstance(grad_mul, torch.Tensor) else abs(grad_mul))
         bounds = [st[k] for k in ("exp_avg_bound", "exp_avg_sq_bound") for st in states]
@@ -473,7 +488,8 @@ class SRAdamW(Optimizer):
             if grad_mul.numel() != 1:
                 raise ValueError(f"grad_scale / inv_grad_scale must hold one value, got shape {tuple(grad_mul.shape)}")
             grad_mul = grad_mul.to(torch.float32).reshape(())  # GradScaler's scale has shape [1]
-        skip = self._skip_flag(found_inf, grad_mul)
+        maxima = self._grad_maxima() if self.check_finite or self._has_scaled_states() else {}
+        skip = self._skip_flag(found_inf, grad_mul, maxima)
         if skip is True:
             self._skipped_steps += 1
             return loss
@@ -494,7 +510,7 @@ class SRAdamW(Optimizer):
                 specs.setdefault(p.device, []).append(self._tensor_step(p, group, rank))
         self._derive_keys([s for items in specs.values() for s in items], rank)
         for device, items in specs.items():
-            self._f16_scales(items, grad_mul, skips[device])  # one implementation per device; the kernel: one launch per dtype group
+            self._f16_scales(items, grad_mul, skips[device], maxima.get(device))  # one implementation per device; the kernel: one launch per dtype group
             self._update_for(device)(items, grad_mul=grad_mul, found_inf=skips[device])
         if pending is not None:
             pending.states = [self.state[s.param] for items in specs.values() for s in items]
