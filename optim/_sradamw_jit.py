@@ -230,24 +230,37 @@ if triton is not None:
             w = _load_f32(p_addr, offs, mask, P_KIND, ALIGNED, MASKED)
         m = _load_f32(m_addr, offs, mask, M_KIND, ALIGNED, MASKED)
         v = _load_f32(v_addr, offs, mask, V_KIND, ALIGNED, MASKED)
-        if SCALE_M:
-            m = m * _scalar(row, _M_SCALE_OLD)
-        if SCALE_V:
-            v = v * _scalar(row, _V_SCALE_OLD)
 
-        # one correctly rounded float32 operation each, no contraction (enable_fp_fusion=False)
+        # one correctly rounded float32 operation each, no contraction (enable_fp_fusion=False);
+        # float16 statistics are updated in their scaled form (optim.functional._scaled: the factors
+        # are per-program scalars, exact products with powers of two)
+        m_decay = tl.load(frow + _BETA1)
+        m_in = tl.load(frow + _ONE_MINUS_BETA1)
+        v_decay = tl.load(frow + _BETA2)
+        v_in = tl.load(frow + _ONE_MINUS_BETA2)
+        neg_step = tl.load(frow + _NEG_STEP)
+        if SCALE_M:
+            m_new = _scalar(row, _M_SCALE_NEW)
+            m_inv = tl.math.div_rn(1.0, m_new)  # exact: a power of two within the normal range
+            m_decay = m_decay * (_scalar(row, _M_SCALE_OLD) * m_inv)
+            m_in = m_in * m_inv
+            neg_step = neg_step * m_new
+        if SCALE_V:
+            v_new = _scalar(row, _V_SCALE_NEW)
+            v_inv = tl.math.div_rn(1.0, v_new)
+            v_decay = v_decay * (_scalar(row, _V_SCALE_OLD) * v_inv)
+            v_in = v_in * v_inv
         w = w * tl.load(frow + _DECAY)
-        m = m * tl.load(frow + _BETA1) + g * tl.load(frow + _ONE_MINUS_BETA1)
-        v = v * tl.load(frow + _BETA2) + (g * g) * tl.load(frow + _ONE_MINUS_BETA2)
-        w = w + tl.math.div_rn(m * tl.load(frow + _NEG_STEP), tl.math.sqrt_rn(v) + tl.load(frow + _EPS_HAT))
+        m = m * m_decay + g * m_in
+        v = v * v_decay + (g * g) * v_in
+        v_true = v
+        if SCALE_V:
+            v_true = v * v_new
+        w = w + tl.math.div_rn(m * neg_step, tl.math.sqrt_rn(v_true) + tl.load(frow + _EPS_HAT))
         if CLAMP:  # NaN stays NaN
             lo_bound = tl.load(frow + _CLAMP_MIN)
             hi_bound = tl.load(frow + _CLAMP_MAX)
             w = tl.where(w < lo_bound, lo_bound, tl.where(w > hi_bound, hi_bound, w))
-        if SCALE_M:  # powers of two: the product by the (exact) reciprocal equals the division
-            m = m * tl.math.div_rn(1.0, _scalar(row, _M_SCALE_NEW))
-        if SCALE_V:
-            v = v * tl.math.div_rn(1.0, _scalar(row, _V_SCALE_NEW))
 
         h = lo
         if SR_M or SR_V:  # one hash for both statistics: high half exp_avg, low half exp_avg_sq

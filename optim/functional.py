@@ -27,7 +27,10 @@ precision with stochastic rounding (or round-to-nearest when asked). The noise: 
 key (:mod:`optim.rounding`). float16 Adam statistics are stored divided by a per-tensor power-of-two
 scale so that tiny gradients do not underflow; the scale follows an upper bound of the statistic that
 is updated from the gradient's absolute maximum alone, so the element-wise pass needs no second
-reduction.
+reduction. With scales ``(old, new)`` the update works on the stored values with exact power-of-two
+factors (``m = m * (beta1 * (old * (1 / new))) + g * ((1 - beta1) * (1 / new))``, the weight step
+uses ``m * (neg_step * new)`` and ``sqrt(v * new_v)``): the same bits as scaling in and out around
+the lines above wherever float32 stays in its normal range, with three products per element fewer.
 
 Skipping on the device: ``found_inf`` may be a flag tensor that is never read on the host. Every
 store is then masked (the stored tensors keep their bits where the flag is set), and the result is
@@ -236,6 +239,19 @@ def _sqrt_ieee(x: torch.Tensor) -> torch.Tensor:
     return x.double().sqrt_().float()
 
 
+def _scaled(beta: torch.Tensor, one_minus_beta: torch.Tensor, scales: torch.Tensor | None):
+    """A statistic's ``(decay, gain, out)`` factors: ``stat = stat * decay + x * gain``, its value
+    ``stat * out``. Unscaled: ``(beta, 1 - beta, None)``. Stored in float16 as value / scale with
+    scales ``(old, new)``: ``(beta * (old * (1 / new)), (1 - beta) * (1 / new), new)``, so the update
+    works on the stored (scaled) values directly. The scales are powers of two, so each factor is
+    exact and the scaled update equals the unscaled one divided by ``new``, bit for bit, wherever no
+    float32 intermediate leaves the normal range (the kernel computes the factors the same way)."""
+    if scales is None:
+        return beta, one_minus_beta, None
+    inv_new = 1.0 / scales[1]
+    return beta * (scales[0] * inv_new), one_minus_beta * inv_new, scales[1]
+
+
 def update_block_(
     p: torch.Tensor,
     g: torch.Tensor,
@@ -281,21 +297,17 @@ def update_block_(
         gf = gf * grad_mul
     w = (master if master is not None else p).to(f32)
     mf, vf = m.to(f32), v.to(f32)
-    if m_scales is not None:
-        mf = mf * m_scales[0]
-    if v_scales is not None:
-        vf = vf * v_scales[0]
+    m_decay, m_in, m_out = _scaled(hp[_HP["beta1"]], hp[_HP["one_minus_beta1"]], m_scales)
+    v_decay, v_in, v_out = _scaled(hp[_HP["beta2"]], hp[_HP["one_minus_beta2"]], v_scales)
     w = w * hp[_HP["decay"]]
-    mf = mf * hp[_HP["beta1"]] + gf * hp[_HP["one_minus_beta1"]]
-    vf = vf * hp[_HP["beta2"]] + (gf * gf) * hp[_HP["one_minus_beta2"]]
-    w = w + (mf * hp[_HP["neg_step"]]) / (sqrt_fn(vf) + hp[_HP["eps_hat"]])
+    mf = mf * m_decay + gf * m_in
+    vf = vf * v_decay + (gf * gf) * v_in
+    v_true = vf if v_out is None else vf * v_out
+    w = w + (mf * (hp[_HP["neg_step"]] if m_out is None else hp[_HP["neg_step"]] * m_out)) / (
+        sqrt_fn(v_true) + hp[_HP["eps_hat"]])
     if clamp:  # NaN stays NaN
         lo, hi = hp[_HP["clamp_min"]], hp[_HP["clamp_max"]]
         w = torch.where(w < lo, lo, torch.where(w > hi, hi, w))
-    if m_scales is not None:
-        mf = mf * (1.0 / m_scales[1])  # powers of two: equal to the division, bit for bit
-    if v_scales is not None:
-        vf = vf * (1.0 / v_scales[1])
 
     lo = None
     if sr_p or sr_m or sr_v:
