@@ -136,7 +136,9 @@ def bench_interleaved(
     cands: list[tuple[str, torch.dtype, Callable]], shapes: list[tuple[int, ...]], device: str, warmup: int, iters: int
 ) -> list[dict]:
     """Every optimizer prepared first, then one step of each in turn, ``iters`` rounds; the median per
-    optimizer. On a shared CPU a load change then hits every row alike, so the ratios hold."""
+    optimizer. On a shared CPU a load change then hits every row alike, so the ratios hold; each row
+    also gets ``paired``: the median over rounds of its step time over torch bf16 AdamW's in the same
+    round (a slow spell then cancels out of the ratio instead of shifting one row's median)."""
     ready, rows = [], {}
     for label, dtype, make in cands:
         try:
@@ -147,8 +149,11 @@ def bench_interleaved(
     for _ in range(iters):
         for label, opt, _ in ready:
             times[label].append(timed_steps(opt, device, 1))
+    base = next((times[label] for label, _, _ in ready if label.startswith("torch AdamW bf16")), None)
     for label, opt, params in ready:
         rows[label] = result_row(label, opt, params, statistics.median(times[label]))
+        if base is not None:
+            rows[label]["paired"] = statistics.median(t / b for t, b in zip(times[label], base))
     return [rows[label] for label, _, _ in cands if label in rows]
 
 
@@ -253,14 +258,15 @@ def main() -> None:
                     Path(args.json).write_text(json.dumps(all_rows + rows, indent=2))
         base = next((r["ms"] for r in rows if r["optimizer"].startswith("torch AdamW bf16") and "ms" in r), None)
         print(f"# {'interleaved, median of' if interleave else 'mean of'} {iters} steps after {warmup} warm-up steps")
-        print("| optimizer | ms/step | × torch bf16 | weight B/param | state B/param | GB/s |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| optimizer | ms/step | × torch bf16 | × torch bf16, paired | weight B/param | state B/param | GB/s |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             if "error" in r:
-                print(f"| {r['optimizer']} | error: {r['error']} | | | | |")
+                print(f"| {r['optimizer']} | error: {r['error']} | | | | | |")
             else:
                 ratio = f"{r['ms'] / base:.2f}" if base else "-"
-                print(f"| {r['optimizer']} | {r['ms']:.2f} | {ratio} | {r['weight_bytes_per_param']:.0f} "
+                paired = f"{r['paired']:.2f}" if "paired" in r else "-"
+                print(f"| {r['optimizer']} | {r['ms']:.2f} | {ratio} | {paired} | {r['weight_bytes_per_param']:.0f} "
                       f"| {r['state_bytes_per_param']:.2f} | {r['GB/s']:.1f} |")
         all_rows += rows
     if args.json:

@@ -138,6 +138,7 @@ class BenchSettings:
     fit_granularity: int | None = None  # 32 on CUDA, 8 on CPU
     cpu_budget_mib: float = 600.0
     ds_config: str = DEFAULT_DS_CONFIG
+    baseline_grad_clip: float | None = None  # None: the DeepSpeed config's gradient_clipping (like for like)
     seed: int = 0
     threads: int | None = None
     timeout_s: float = 900.0  # per worker process
@@ -263,8 +264,10 @@ class OpenClipRunner(Runner):
     logit-scale clamp. Without ``open_clip`` (``fallback=True``): the recipe's model in the same
     setting with the recipe's plain loss."""
 
-    def __init__(self, preset: str, ckpt: bool, device: torch.device, seed: int = 0, fallback: bool = False) -> None:
+    def __init__(self, preset: str, ckpt: bool, device: torch.device, seed: int = 0, fallback: bool = False,
+                 grad_clip: float = 0.0) -> None:
         torch.manual_seed(seed)
+        self.grad_clip = grad_clip
         if fallback:
             from recipe.loss import ClipLoss
             from recipe.model import create_model
@@ -317,12 +320,20 @@ class OpenClipRunner(Runner):
         self.opt = torch.optim.AdamW(_openclip_param_groups(model, 0.2), lr=5e-4, betas=(0.9, 0.98), eps=1e-6, **fused)
         self.model, self.device = model, device
         self.params = sum(p.numel() for p in model.parameters())
+        if grad_clip:
+            self.description += f", clip_grad_norm_ {grad_clip:g}"
+
+    def clip(self) -> None:
+        """OpenCLIP's ``--grad-clip-norm``: the global L2 norm of the gradients clipped to ``grad_clip``."""
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, norm_type=2.0)
 
     def step(self, inputs: dict[str, torch.Tensor]) -> float:
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
             img, txt, scale = self._forward(self.model, inputs)[:3]
             loss = self.loss_fn(img, txt, scale)
         loss.backward()
+        if self.grad_clip:
+            self.clip()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -413,7 +424,8 @@ def build_runner(spec: dict[str, Any], device: torch.device) -> Runner:
             spec.get("compile", False),
         )
     if arm in ("openclip", "torch-amp"):
-        return OpenClipRunner(spec["preset"], spec["ckpt"], device, spec["seed"], fallback=arm == "torch-amp")
+        return OpenClipRunner(spec["preset"], spec["ckpt"], device, spec["seed"], fallback=arm == "torch-amp",
+                              grad_clip=spec.get("baseline_grad_clip", 0.0))
     raise ValueError(f"unknown arm {arm!r}")
 
 
@@ -492,7 +504,7 @@ BREAKDOWN_ROWS = [
     ("ds_hooks", "DeepSpeed: per-gradient hooks (bucket copies)"),
     ("ds_reduce", "DeepSpeed: gradient reduction at the end of backward"),
     ("ds_overflow", "DeepSpeed: overflow check"),
-    ("ds_norm", "DeepSpeed: gradient norm"),
+    ("ds_norm", "gradient norm (DeepSpeed; baseline: clip_grad_norm_)"),
     ("ds_clip", "DeepSpeed: unscale and clip"),
     ("optimizer", "optimizer step (SRAdamW / torch AdamW + zero_grad)"),
     ("ds_allgather", "DeepSpeed: weight all-gather"),
@@ -578,6 +590,7 @@ def _clock_baseline(runner: OpenClipRunner) -> _PhaseClock:
     clock.wrap(runner, "loss_fn", "loss")
     clock.wrap(runner.opt, "step", "optimizer")
     clock.wrap(runner.opt, "zero_grad", "zero_grad")
+    clock.wrap(runner, "clip", "ds_norm")
     return clock
 
 
@@ -598,7 +611,7 @@ def _exclusive_phases(t: dict[str, float], recipe_arm: bool) -> dict[str, float]
         )
     else:  # what the wrappers leave: the backward pass (and the logit-scale clamp, the loss read)
         out["optimizer"] = g("optimizer") + g("zero_grad")
-        out["backward"] = g("total") - g("forward") - g("loss") - out["optimizer"]
+        out["backward"] = g("total") - g("forward") - g("loss") - out["optimizer"] - g("ds_norm")
     out["total"] = g("total")
     return {k: out.get(k, 0.0) for k, _ in BREAKDOWN_ROWS}  # every row, 0 where the arm has no such phase
 
@@ -811,6 +824,16 @@ def available_arms(loss_modes: list[str], baseline: bool, device: str = "cpu") -
     return arms, missing
 
 
+def _baseline_grad_clip(s: BenchSettings) -> float:
+    """The OpenCLIP arm's ``clip_grad_norm_`` threshold (0: none): as asked, else the recipe's DeepSpeed
+    config's ``gradient_clipping``, so that both arms do the same work (OpenCLIP's ``--grad-clip-norm``)."""
+    if s.baseline_grad_clip is not None:
+        return float(s.baseline_grad_clip)
+    from recipe.precision import read_ds_config
+
+    return float(read_ds_config(s.ds_config).get("gradient_clipping", 0.0) or 0.0)
+
+
 def _spec(s: BenchSettings, arm: str, ckpt: bool, batches: list[dict[str, Any]], accumulation: int = 1) -> dict:
     return {
         "arm": arm,
@@ -821,6 +844,7 @@ def _spec(s: BenchSettings, arm: str, ckpt: bool, batches: list[dict[str, Any]],
         "preset": s.preset,
         "device": s.device,
         "ds_config": s.ds_config,
+        "baseline_grad_clip": _baseline_grad_clip(s),
         "seed": s.seed,
         "threads": s.threads,
         "cpu_budget_mib": s.cpu_budget_mib,
@@ -1000,6 +1024,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fit-granularity", type=int, default=None)
     ap.add_argument("--cpu-budget-mib", type=float, default=BenchSettings.cpu_budget_mib)
     ap.add_argument("--ds-config", default=DEFAULT_DS_CONFIG)
+    ap.add_argument("--baseline-grad-clip", type=float, default=None,
+                    help="OpenCLIP arm: clip_grad_norm_ threshold (default: the DeepSpeed config's gradient_clipping, "
+                    "so both arms clip; 0: OpenCLIP's default, no clipping)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads per worker (default 1 on CPU)")
     ap.add_argument("--worker-timeout", type=float, default=BenchSettings.timeout_s, help="seconds per worker process")
@@ -1036,6 +1063,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         fit_granularity=args.fit_granularity,
         cpu_budget_mib=args.cpu_budget_mib,
         ds_config=args.ds_config,
+        baseline_grad_clip=args.baseline_grad_clip,
         seed=args.seed,
         threads=args.threads,
         timeout_s=args.worker_timeout,

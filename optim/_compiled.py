@@ -27,6 +27,7 @@ from .functional import (
     HYPERPARAMETERS,
     TensorStep,
     _skip_mask,
+    apply_update_,
     lo_tensor,
     rounding_flags,
     segment_words,
@@ -74,9 +75,11 @@ def _prime(fn: Any, route: tuple) -> None:
     for every tensor after it (the length is dynamic, so the same code serves all sizes)."""
     p_dt, g_dt, m_dt, v_dt, w_dt, no_ms, no_vs, no_gmul, no_skip, sr_p, sr_m, sr_v, clamp = route
     zeros = [torch.zeros(_PRIME, dtype=dt) if dt is not None else None for dt in (p_dt, g_dt, m_dt, v_dt, w_dt)]
-    ones = torch.ones(2)
+    # a fresh tensor per argument: Dynamo guards on which arguments are the same object, and the real
+    # calls never pass one tensor twice (a shared dummy recompiled the route at its first real call,
+    # on a small tensor, and that entry stayed single-threaded)
     fn(*zeros, torch.zeros(len(HYPERPARAMETERS)), torch.zeros(4, dtype=torch.int32),
-       torch.zeros((), dtype=torch.int32), None if no_ms else ones, None if no_vs else ones,
+       torch.zeros((), dtype=torch.int32), None if no_ms else torch.ones(2), None if no_vs else torch.ones(2),
        None if no_gmul else torch.ones(()), None if no_skip else torch.ones((), dtype=torch.bool),
        sr_p, sr_m, sr_v, clamp)
 
@@ -112,6 +115,11 @@ def compiled_updates_(
     skip = _skip_mask(found_inf)
     table = words_table(specs) if specs else None  # the key words of all tensors at once (index high half 0)
     for i, s in enumerate(specs):
+        if s.param.numel() <= 1:
+            # Dynamo specialises lengths 0 and 1: a 1-element tensor (CLIP's logit scale) would compile
+            # the route a second time (~10 s); the eager definition computes the same bits
+            apply_update_(s, grad_mul=grad_mul, found_inf=found_inf)
+            continue
         param = s.param if s.param.is_contiguous() else s.param.contiguous()
         device = param.device
         hp, m_scales, v_scales, gmul = step_tensors(s, grad_mul, device)

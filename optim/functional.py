@@ -146,8 +146,8 @@ class TensorStep:
         keys: Noise keys of the weight and the statistics streams, from ``derive_key`` (two ints, or an
             int64 tensor ``[2]``).
         master: Optional float32 master copy (contiguous); ``param`` then gets its nearest copy.
-        exp_avg_scales: ``(old, new)`` 0-dim float32 scales of a float16 ``exp_avg`` on its device
-            (value = stored * scale).
+        exp_avg_scales: ``(old, new)`` float32 scales of a float16 ``exp_avg`` on its device (value =
+            stored * scale): two 1-element tensors, or one ``[2]`` tensor.
         exp_avg_sq_scales: Same for ``exp_avg_sq``.
         weight_rounding: ``"stochastic"`` or ``"nearest"`` for half weights without master.
         state_rounding: ``"stochastic"`` or ``"nearest"`` for half statistics.
@@ -168,8 +168,8 @@ class TensorStep:
     weight_decay: float
     keys: tuple[int, int] | torch.Tensor
     master: torch.Tensor | None = None
-    exp_avg_scales: tuple[torch.Tensor, torch.Tensor] | None = None
-    exp_avg_sq_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+    exp_avg_scales: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None
+    exp_avg_sq_scales: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None
     weight_rounding: Rounding = "stochastic"
     state_rounding: Rounding = "stochastic"
     clamp: tuple[float, float] | None = None
@@ -340,9 +340,17 @@ def step_tensors(
         gmul = grad_mul.detach().reshape(()).to(device=device, dtype=torch.float32)
     elif grad_mul is not None:
         gmul = hp[_HP["grad_mul"]]
-    m_scales = torch.stack([x.reshape(()) for x in s.exp_avg_scales]) if s.exp_avg_scales is not None else None
-    v_scales = torch.stack([x.reshape(()) for x in s.exp_avg_sq_scales]) if s.exp_avg_sq_scales is not None else None
-    return hp, m_scales, v_scales, gmul
+    return hp, _scale_pair(s.exp_avg_scales), _scale_pair(s.exp_avg_sq_scales), gmul
+
+
+def _scale_pair(scales: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None) -> torch.Tensor | None:
+    """float32 ``[2]`` (old, new) from either form :class:`TensorStep` accepts (no copy for a contiguous
+    ``[2]`` tensor: ``SRAdamW`` hands the scales of all tensors as rows of one)."""
+    if scales is None:
+        return None
+    if isinstance(scales, torch.Tensor) and scales.shape == (2,) and scales.is_contiguous():
+        return scales
+    return torch.stack([x.reshape(()) for x in scales])
 
 
 @functools.lru_cache(maxsize=256)

@@ -439,10 +439,9 @@ class SRAdamW(Optimizer):
         if skip is not None:
             new = torch.where(skip, old, new)
         torch._foreach_copy_(bounds, list(new.view(-1).unbind()))
-        scales = state_scale(torch.stack([old, new]))  # [old/new, m/v, tensor]
-        for i, s in enumerate(scaled):
-            s.exp_avg_scales = (scales[0, 0, i], scales[1, 0, i])
-            s.exp_avg_sq_scales = (scales[0, 1, i], scales[1, 1, i])
+        scales = state_scale(torch.stack([old, new])).permute(2, 1, 0).contiguous()  # [tensor, m/v, old/new]
+        for s, pair in zip(scaled, scales.unbind()):
+            s.exp_avg_scales, s.exp_avg_sq_scales = pair.unbind()  # float32 [2] (old, new) each
 
     @torch.no_grad()
     def step(

@@ -122,8 +122,8 @@ def _validate(s: TensorStep) -> None:
 # ----------------------------------------------------------------------------------------------
 def _int_words(s: TensorStep, param: torch.Tensor, grad: torch.Tensor) -> list[int]:
     """The :class:`Word` part of one row."""
-    m_scales = s.exp_avg_scales or (None, None)
-    v_scales = s.exp_avg_sq_scales or (None, None)
+    m_scales = s.exp_avg_scales if s.exp_avg_scales is not None else (None, None)
+    v_scales = s.exp_avg_sq_scales if s.exp_avg_sq_scales is not None else (None, None)
     addresses = {
         Word.P: param,
         Word.G: grad,

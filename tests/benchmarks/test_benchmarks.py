@@ -129,6 +129,16 @@ def test_bench_train_cpu_smoke(tmp_path: Path) -> None:
     assert result["environment"]["versions"]["torch"] == torch.__version__
 
 
+def test_baseline_clips_like_the_deepspeed_config_unless_told(tmp_path: Path) -> None:
+    s = bench_train.BenchSettings(device="cpu")
+    assert bench_train._baseline_grad_clip(s) == 1.0  # ds_configs/zero2_bf16_halfmaster.json
+    cfg = json.loads((ROOT / "ds_configs" / "zero2_bf16_halfmaster.json").read_text())
+    cfg["gradient_clipping"] = 0.5
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    assert bench_train._baseline_grad_clip(bench_train.BenchSettings(device="cpu", ds_config=str(tmp_path / "ds.json"))) == 0.5
+    assert bench_train._baseline_grad_clip(bench_train.BenchSettings(device="cpu", baseline_grad_clip=0.0)) == 0.0
+
+
 def test_bench_train_breakdown_cpu(tmp_path: Path) -> None:
     """--breakdown: the recipe's own train step and the baseline alternate in one process; every phase's
     timer is wired (the rows of each step add up to its total) and DeepSpeed's overflow check, a second
@@ -152,7 +162,9 @@ def test_bench_train_breakdown_cpu(tmp_path: Path) -> None:
     for k in ("forward", "loss", "backward", "optimizer", "ds_norm", "ds_reduce", "ds_copy"):
         assert mine[k] > 0, k
     assert all(s["ds_overflow"] == 0 for s in mine["steps"])  # the train step owns the finite check
-    assert base["forward"] > 0 and base["optimizer"] > 0 and base["ds_norm"] == 0
+    # like for like: the baseline clips at the DeepSpeed config's gradient_clipping (OpenCLIP's --grad-clip-norm)
+    assert base["forward"] > 0 and base["optimizer"] > 0 and base["ds_norm"] > 0
+    assert "clip_grad_norm_ 1" in base["description"]
     assert result["markdown"] in proc.stdout and "| total (median step) |" in result["markdown"]
 
 
