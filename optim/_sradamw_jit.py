@@ -20,7 +20,7 @@ from .functional import HYPERPARAMETERS
 
 triton, tl = load()
 
-__all__ = ["Word", "Slot", "Kind", "INT_WORDS", "ROW_WORDS", "sradamw_kernel"]
+__all__ = ["Word", "Slot", "Kind", "Master", "INT_WORDS", "ROW_WORDS", "sradamw_kernel"]
 
 
 class Word(IntEnum):
@@ -30,7 +30,7 @@ class Word(IntEnum):
     G = 1  # address of the gradient
     M = 2  # address of exp_avg
     V = 3  # address of exp_avg_sq
-    MASTER = 4  # address of the float32 master (0: none)
+    MASTER = 4  # address of the float32 master, or of the int16 low halves of a split one (0: none)
     M_SCALE_OLD = 5  # addresses of exp_avg's (old, new) 0-dim float32 state scales (0: none)
     M_SCALE_NEW = 6
     V_SCALE_OLD = 7  # the same for exp_avg_sq
@@ -57,6 +57,14 @@ class Kind(IntEnum):
     F32 = 0
     BF16 = 1
     F16 = 2
+
+
+class Master(IntEnum):
+    """Codes of the kernel's ``MASTER`` constexpr argument."""
+
+    NONE = 0
+    F32 = 1  # a float32 master; the parameter gets its round-to-nearest-even copy
+    SPLIT = 2  # bfloat16 parameter = high half, int16 state = low half (optim.master16)
 
 
 sradamw_kernel: Any = None  # the @triton.jit kernel; None without Triton
@@ -224,8 +232,12 @@ if triton is not None:
             g = g * tl.load(frow + _GRAD_MUL)
         elif GMUL == 2:
             g = g * tl.load(gmul_ptr)
-        if MASTER:
+        if MASTER == 1:
             w = _load_f32(w_addr, offs, mask, _F32, ALIGNED, MASKED)
+        elif MASTER == 2:  # optim.master16.join_master
+            hb = _load(_typed(p_addr, tl.uint16, ALIGNED) + offs, mask, MASKED).to(tl.uint32)
+            lb = _load(_typed(w_addr, tl.uint16, ALIGNED) + offs, mask, MASKED).to(tl.uint32)
+            w = (((hb & 0x8000) << 16) | (((hb & 0x7FFF) - (lb >> 15)) << 16) | lb).to(tl.float32, bitcast=True)
         else:
             w = _load_f32(p_addr, offs, mask, P_KIND, ALIGNED, MASKED)
         m = _load_f32(m_addr, offs, mask, M_KIND, ALIGNED, MASKED)
@@ -268,9 +280,15 @@ if triton is not None:
             h = _keyed_hash(lo, a_s, b_s)
         _store_rounded(m_addr, offs, mask, m, h >> 16, M_KIND, SR_M, ALIGNED, MASKED)
         _store_rounded(v_addr, offs, mask, v, h & 0xFFFF, V_KIND, SR_V, ALIGNED, MASKED)
-        if MASTER:
+        if MASTER == 1:
             _store(w_addr, offs, mask, w, ALIGNED, MASKED)
             _store_rounded(p_addr, offs, mask, w, lo, P_KIND, False, ALIGNED, MASKED)
+        elif MASTER == 2:  # optim.master16.split_master: high half nearest (ties away), low half as is
+            wb = w.to(tl.uint32, bitcast=True)
+            mag = wb & 0x7FFFFFFF
+            hi = tl.where(mag > 0x7F800000, 0x7FC00000, (mag + 0x8000) & 0xFFFF0000) | (wb & 0x80000000)
+            _store(p_addr, offs, mask, (hi >> 16).to(tl.uint16), ALIGNED, MASKED)
+            _store(w_addr, offs, mask, (wb & 0xFFFF).to(tl.uint16), ALIGNED, MASKED)
         else:
             h_p = lo
             if SR_P:

@@ -49,6 +49,7 @@ from typing import Literal
 
 import torch
 
+from .master16 import join_master, split_master
 from .rounding import (
     _GOLDEN,
     _M32,
@@ -145,7 +146,9 @@ class TensorStep:
         weight_decay: Decoupled weight decay coefficient (multiplied by ``lr``).
         keys: Noise keys of the weight and the statistics streams, from ``derive_key`` (two ints, or an
             int64 tensor ``[2]``).
-        master: Optional float32 master copy (contiguous); ``param`` then gets its nearest copy.
+        master: Optional float32 master copy (contiguous); ``param`` then gets its nearest copy. Or,
+            for a bfloat16 ``param``, the int16 low halves of an exact float32 master whose high
+            half is ``param`` itself (:mod:`optim.master16`: 2 bytes instead of 4).
         exp_avg_scales: ``(old, new)`` float32 scales of a float16 ``exp_avg`` on its device (value =
             stored * scale): two 1-element tensors, or one ``[2]`` tensor.
         exp_avg_sq_scales: Same for ``exp_avg_sq``.
@@ -279,7 +282,8 @@ def update_block_(
 
     Args:
         p, g, m, v: 1-D views of the weight, gradient and statistics (storage dtypes).
-        master: 1-D float32 master or None (``p`` then gets its round-to-nearest copy).
+        master: 1-D float32 master (``p`` then gets its round-to-nearest copy), or 1-D int16 low halves
+            of one whose high half is the bfloat16 ``p`` (:mod:`optim.master16`), or None.
         hp: float32 ``[len(HYPERPARAMETERS)]`` from :func:`hyperparameters`.
         words: int32 ``[4]``: the weight and statistics key words, the ``a`` words already combined
             with the high half of the block's element index (:func:`optim.rounding._segment_word`).
@@ -295,7 +299,11 @@ def update_block_(
     gf = g.to(f32)
     if grad_mul is not None:
         gf = gf * grad_mul
-    w = (master if master is not None else p).to(f32)
+    split = master is not None and master.dtype == torch.int16  # the exact master in 2 bytes (optim.master16)
+    if split:
+        w = join_master(p, master)
+    else:
+        w = (master if master is not None else p).to(f32)
     mf, vf = m.to(f32), v.to(f32)
     m_decay, m_in, m_out = _scaled(hp[_HP["beta1"]], hp[_HP["one_minus_beta1"]], m_scales)
     v_decay, v_in, v_out = _scaled(hp[_HP["beta2"]], hp[_HP["one_minus_beta2"]], v_scales)
@@ -320,7 +328,11 @@ def update_block_(
             vf = round_with_bits(vf, v.dtype, h << 16)  # the low 16 bits
     masked_copy_(m, mf, skip)
     masked_copy_(v, vf, skip)
-    if master is not None:
+    if split:
+        hi, low = split_master(w)
+        masked_copy_(master, low, skip)
+        masked_copy_(p, hi, skip)  # nearest, ties away from zero: the high half
+    elif master is not None:
         masked_copy_(master, w, skip)
         masked_copy_(p, w, skip)  # round to nearest
     else:

@@ -17,12 +17,14 @@ from .functional import (
     apply_update_,
     state_scale,
 )
+from .master16 import join_master
 from .rounding import derive_key, fold_key
 
 __all__ = ["SRAdamW"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ROUNDINGS = ("stochastic", "nearest")
+_MASTER_FORMATS = ("split", "fp32")
 _NONFINITE = ("skip", "raise")
 _STREAMS = (STREAM_PARAM, STREAM_STATE)
 
@@ -97,6 +99,8 @@ def _validate_group(group: dict[str, Any]) -> None:
         raise ValueError(f"Invalid state_dtype: {sd} (must be None, torch.float32, torch.bfloat16 or torch.float16)")
     if not isinstance(group["master_weights"], bool):
         raise ValueError(f"Invalid master_weights: {group['master_weights']!r} (must be a bool)")
+    if group.get("master_format", "split") not in _MASTER_FORMATS:
+        raise ValueError(f"Invalid master_format: {group['master_format']!r} (must be 'split' or 'fp32')")
     for name in ("weight_rounding", "state_rounding"):
         if group[name] not in _ROUNDINGS:
             raise ValueError(f"Invalid {name}: {group[name]!r} (must be 'stochastic' or 'nearest')")
@@ -154,6 +158,13 @@ class SRAdamW(Optimizer):
         weight_decay: Decoupled weight decay (applied as ``w *= 1 - lr * weight_decay``).
         state_dtype: Storage dtype of the Adam statistics; ``None`` means the parameter's dtype.
         master_weights: Keep a float32 master copy of half-precision parameters.
+        master_format: How a kept master is stored: ``"split"`` (default): for bfloat16 parameters the
+            parameter is the master's high half (nearest, ties away from zero) and the state keeps
+            its low 16 bits (``master_low``, int16): the same float32 master bit for bit in 2 extra
+            bytes per parameter instead of 4 (:mod:`optim.master16`); float16 parameters keep a
+            float32 ``master`` either way. ``"fp32"``: a separate float32 ``master`` and the
+            parameter its round-to-nearest-even copy. A state loaded from a checkpoint keeps the
+            form it was saved in.
         weight_rounding: ``"stochastic"`` or ``"nearest"`` for half-precision weights without master.
         state_rounding: ``"stochastic"`` or ``"nearest"`` for half-precision statistics.
         seed: Seed of the rounding noise (any non-negative int).
@@ -189,6 +200,7 @@ class SRAdamW(Optimizer):
         *,
         state_dtype: torch.dtype | None = None,
         master_weights: bool = False,
+        master_format: str = "split",
         weight_rounding: str = "stochastic",
         state_rounding: str = "stochastic",
         seed: int = 0,
@@ -215,6 +227,7 @@ class SRAdamW(Optimizer):
             weight_decay=weight_decay,
             state_dtype=state_dtype,
             master_weights=master_weights,
+            master_format=master_format,
             weight_rounding=weight_rounding,
             state_rounding=state_rounding,
         )
@@ -275,6 +288,14 @@ class SRAdamW(Optimizer):
     def _has_scaled_states(self) -> bool:
         """Whether any tensor keeps float16 statistics with scales (decided by the state dtype)."""
         return any((g["state_dtype"] or p.dtype) == torch.float16 for g in self.param_groups for p in g["params"])
+
+    def master(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The float32 master of parameter ``p`` (a new tensor for the split form, the state tensor for
+        a float32 one), or None when ``p`` keeps none (yet)."""
+        state = self.state.get(p, {})
+        if "master_low" in state:
+            return join_master(p.detach(), state["master_low"])
+        return state.get("master")
 
     def _grad_maxima(self) -> dict[torch.device, torch.Tensor]:
         """Per device, the largest magnitude of each gradient (:func:`_grad_amax`, NaN propagates) in
@@ -364,7 +385,10 @@ class SRAdamW(Optimizer):
         if sdt == torch.float16:
             state["exp_avg_bound"] = torch.zeros((), dtype=torch.float32, device=p.device)
             state["exp_avg_sq_bound"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        if group["master_weights"] and p.dtype != torch.float32:
+        if group["master_weights"] and p.dtype == torch.bfloat16 and group.get("master_format", "split") == "split":
+            # the master is p itself (exactly) plus zero low halves: optim.master16
+            state["master_low"] = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.contiguous_format)
+        elif group["master_weights"] and p.dtype != torch.float32:
             state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
         return state
 
@@ -381,7 +405,7 @@ class SRAdamW(Optimizer):
             p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=t,
             lr=float(group["lr"]),  # a tensor lr is read here (a sync if it lives on a device)
             beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], keys=keys,
-            master=state.get("master"),
+            master=state.get("master", state.get("master_low")),
             weight_rounding=group["weight_rounding"], state_rounding=group["state_rounding"],
             clamp=group.get("clamp"),
         )

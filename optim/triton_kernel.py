@@ -43,7 +43,7 @@ import torch
 
 from . import _sradamw_jit as _jit
 from . import _triton
-from ._sradamw_jit import Kind, Slot, Word
+from ._sradamw_jit import Kind, Master, Slot, Word
 from .functional import HYPERPARAMETERS, TensorStep, hyperparameters, key_pair
 from .rounding import key_words_tensor
 
@@ -95,8 +95,11 @@ def _validate(s: TensorStep) -> None:
     for name, t in named:
         if t is None:
             continue
-        if t.dtype not in _KIND or (name == "master" and t.dtype != torch.float32):
-            raise ValueError(f"{name}: dtype {t.dtype} is not supported (float32, bfloat16 or float16; master float32)")
+        if name == "master" and not (t.dtype == torch.float32 or (t.dtype == torch.int16 and p.dtype == torch.bfloat16)):
+            raise ValueError(f"master: dtype {t.dtype} is not supported (float32, or int16 low halves with a "
+                             "bfloat16 param)")
+        if name != "master" and t.dtype not in _KIND:
+            raise ValueError(f"{name}: dtype {t.dtype} is not supported (float32, bfloat16 or float16)")
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, param on {device}")
         if t.numel() != n:
@@ -210,13 +213,14 @@ def _specialisation(s: TensorStep, grad: torch.Tensor, aligned: bool, gmul_mode:
     """The kernel's constexpr arguments for one tensor (tensors with equal ones share a launch)."""
     p_half = s.param.dtype != torch.float32
     master = s.master is not None
+    master_code = Master.NONE if not master else (Master.SPLIT if s.master.dtype == torch.int16 else Master.F32)
     return tuple(
         dict(
             P_KIND=_KIND[s.param.dtype],
             G_KIND=_KIND[grad.dtype],
             M_KIND=_KIND[s.exp_avg.dtype],
             V_KIND=_KIND[s.exp_avg_sq.dtype],
-            MASTER=master,
+            MASTER=int(master_code),
             SCALE_M=s.exp_avg_scales is not None,
             SCALE_V=s.exp_avg_sq_scales is not None,
             SR_P=p_half and not master and s.weight_rounding == "stochastic",

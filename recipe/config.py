@@ -244,6 +244,12 @@ class TrainConfig:
     eval_every: int = option(0, "evaluate every N steps (0: only at the end)", ge=0)
     save_every: int = option(0, "checkpoint every N steps (0: only at the end)", ge=0)
     log_every: int = option(10, "log training metrics every N steps", ge=1)
+    numerics_every: int | None = option(
+        None,
+        "numerics telemetry every N steps (SR updates below half an ulp, Adam-state underflow/saturation, fp16 "
+        "state scales, logit-scale clamp; recipe/numerics.py); unset: every --log-every steps, 0: off",
+        ge=0,
+    )
     output_dir: str = option("runs/default", "run directory: config, logs, tokenizer, checkpoints")
     resume: str | None = option(None, "'latest' or a checkpoint directory to continue from")
     seed: int = option(0, "seed of initialisation, shuffling and augmentation", ge=0)

@@ -40,6 +40,7 @@ from .evaluate import evaluate_data
 from .loss import ClipLoss
 from .memory import live_bytes_per_param
 from .metrics import MetricsLogger, peak_memory_bytes
+from .numerics import NumericsMonitor, build_numerics
 from .export import Imported, read_pretrained
 from .model import CLIPConfig, check_tokenizer_fits, create_model
 from .optimizer import describe_groups, lr_at
@@ -104,6 +105,8 @@ def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
         f"{total} steps, run dir {run_dir}"
     )
     log.write(describe_groups(opt, group_params))
+    # --numerics-every: optimizer step hooks sample the update on the device (recipe/numerics.py)
+    numerics = build_numerics(opt, cfg.numerics_every, cfg.log_every, seed=cfg.seed)
     batches, t0, start_samples = _forever(loader), time.perf_counter(), state.samples
     result: StepResult | None = None
     while state.step < total:
@@ -114,13 +117,20 @@ def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
                             stop_requested=stop.requested, contrastive_batch=cfg.contrastive_batch)
         if ema is not None:
             ema.update(skipped=result.skipped)  # a skipped step leaves the EMA untouched
+        if numerics is not None:
+            numerics.end_step(skipped=result.skipped)  # a skipped step's sample is dropped
         log.advance()
         samples_per_s = (state.samples - start_samples) / max(time.perf_counter() - t0, 1e-9)
+        numerics_row = read_numerics(numerics, state.step, total)
         if state.step % cfg.log_every == 0 or state.step == total:
             metrics = train_metrics(engine, opt, result, state, prec, loader, samples_per_s)
+            metrics.update(numerics_row)  # --numerics-every = --log-every (default): the same row
+            numerics_row = {}
             # the schedule's base rate (groups scale it per tower and layer; --image-lr, --layer-decay...)
             metrics["lr"] = lr_at(state.step - 1, cfg, total)
             log.log(state.step, {**metrics, "contrastive_batch": cfg.contrastive_batch})
+        if numerics_row:  # a numerics step that is no log step: a row of its own
+            log.log(state.step, numerics_row, kind="numerics")
         if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < total and not result.stop:
             log.log(state.step, run_eval(engine, cfg, tokenizer, ema), kind="eval")
         if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == total or result.stop:
@@ -345,6 +355,14 @@ def train_metrics(
         "nonfinite_steps": state.nonfinite_steps,
         "overflow_steps": state.overflow_steps,
     }
+
+
+def read_numerics(numerics: NumericsMonitor | None, step: int, total: int) -> dict[str, float]:
+    """The numerics metrics on a numerics step (every ``--numerics-every`` steps and the last), else
+    ``{}``. All ranks call it at the same steps (it all-reduces, then reads on the host)."""
+    if numerics is None or not (step % numerics.every == 0 or step == total):
+        return {}
+    return numerics.read()
 
 
 def contrastive_batch_size(mode: str, micro: int, accum: int, world: int) -> int:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from optim import SRAdamW, _triton, sradamw_update_
+from optim.master16 import split_master
 from optim.rounding import derive_key
 
 from ..dist_utils import run_distributed
@@ -70,6 +71,12 @@ def test_float32_matches_torch_adamw(weight_decay: float) -> None:
         assert rel <= 4e-6, rel
 
 
+def nearest_copy(master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight a master gives: bfloat16 the split form's high half (nearest, ties away from zero),
+    float16 torch's round-to-nearest-even conversion."""
+    return split_master(master)[0] if dtype == torch.bfloat16 else master.to(dtype)
+
+
 @pytest.mark.parametrize("dtype", HALF)
 def test_master_weight_group_matches_float32_adamw(dtype: torch.dtype) -> None:
     half = make_params(dtype)
@@ -84,10 +91,10 @@ def test_master_weight_group_matches_float32_adamw(dtype: torch.dtype) -> None:
         opt_ref.step()
         opt.step()
     for p, r in zip(half, ref):
-        master = opt.state[p]["master"]
-        assert master.dtype == torch.float32
+        master = opt.master(p)  # bf16: the split form (optim.master16), fp16: a float32 state tensor
+        assert master.dtype == torch.float32 and ("master_low" in opt.state[p]) == (dtype == torch.bfloat16)
         assert ((master - r).abs() / r.abs().clamp(min=1e-6)).max().item() <= 1e-6
-        assert torch.equal(p, master.to(dtype))  # round-to-nearest copy
+        assert torch.equal(p, nearest_copy(master, dtype))
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -218,8 +225,8 @@ def test_mixed_groups_keep_their_dtypes() -> None:
         assert "master" not in s and s["exp_avg"].dtype == torch.bfloat16 and s["exp_avg_sq"].dtype == torch.bfloat16
     for p in image:
         s = opt.state[p]
-        assert s["master"].dtype == torch.float32 and s["exp_avg"].dtype == torch.float32
-        assert torch.equal(p, s["master"].to(torch.bfloat16))
+        assert s["master_low"].dtype == torch.int16 and s["exp_avg"].dtype == torch.float32
+        assert torch.equal(p, nearest_copy(opt.master(p), torch.bfloat16))
 
 
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
@@ -415,9 +422,9 @@ def test_group_clamp_projects_the_update() -> None:
     opt = SRAdamW([{"params": [p], "clamp": (0.0, math.log(100)), "master_weights": True}], lr=0.5, weight_decay=0.0)
     p.grad = torch.tensor([-1.0, 1.0], dtype=torch.bfloat16)  # pushes 4.5 up and 0.05 down
     opt.step()
-    master = opt.state[p]["master"]
+    master = opt.master(p)
     assert master.tolist() == [pytest.approx(math.log(100)), 0.0]
-    assert torch.equal(p, master.to(torch.bfloat16))
+    assert torch.equal(p, nearest_copy(master, torch.bfloat16))
     with pytest.raises(ValueError, match="clamp"):
         SRAdamW([{"params": [torch.nn.Parameter(torch.zeros(1))], "clamp": (1.0, 0.0)}])
 

@@ -1,0 +1,18 @@
+"""Batch and memory planner: which micro-batch, accumulation, gradient checkpointing, ZeRO stage and
+precision route fit a GPU, predicted from the same census ``benchmarks/bench_memory.py`` measures.
+
+Python API (``recipe.verify`` compares free device memory against a :class:`Plan`)::
+
+    from recipe.plan import plan, predict_memory, ModelSpec
+    p = plan("ViT-B-32", gpus=8, gpu_memory="80GiB", global_batch=32768)
+    p.micro_batch, p.accumulation, p.checkpointing, p.zero_stage, p.total_bytes_per_gpu, p.launch_command
+    m = predict_memory(ModelSpec("tiny"), "zero2_bf16_halfmaster.json", world=2, micro_batch=8)
+
+Modules: :mod:`.states` (model states per ZeRO stage and route), :mod:`.activations` (saved-tensor
+accounting), :mod:`.search` (prediction and search), :mod:`.cli` (``python -m recipe.plan``).
+"""
+
+from .search import MemoryPrediction, Plan, PlanError, ds_configs, parse_memory, plan, predict_memory
+from .states import ModelSpec
+
+__all__ = ["ModelSpec", "MemoryPrediction", "Plan", "PlanError", "plan", "predict_memory", "parse_memory", "ds_configs"]

@@ -1,0 +1,198 @@
+"""``recipe.plan``: predictions against the live census, activation accounting against hand counts,
+the command line end to end, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from recipe.config import build_parser
+from recipe.plan import ModelSpec, PlanError, parse_memory, plan, predict_memory
+from recipe.plan.activations import count_saved, measure_activations
+from recipe.plan.cli import main
+from recipe.plan.states import build_meta_model
+from recipe.precision import read_ds_config
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_memory  # noqa: E402
+
+#: census modes and the ds_configs JSON each one runs (bench_memory.MODES), all the planner's routes
+CENSUS_MODES = ["zero2_bf16_halfmaster", "zero3_bf16_halfmaster", "zero2_bf16_halfmaster_allsr",
+                "zero0_fp16_sr_lossscale", "zero2_fp32"]
+
+
+# ----------------------------------------------------------------------------------------------
+# model states against the live census (bench_memory measures the engine of every mode)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def census_w2() -> list[list[dict]]:
+    """bench_memory's census of the tiny preset on 2 CPU ranks (every rank's view)."""
+    return bench_memory.run_modes(CENSUS_MODES, world=2, batch=4, preset="tiny", timeout_s=600)
+
+
+@pytest.mark.parametrize("index", range(len(CENSUS_MODES)), ids=CENSUS_MODES)
+def test_model_states_match_live_census_w2(census_w2: list[list[dict]], index: int) -> None:
+    rows = [ranks[index] for ranks in census_w2]
+    assert "error" not in rows[0], rows[0]
+    mode = bench_memory.MODES[CENSUS_MODES[index]]
+    p = predict_memory(ModelSpec("tiny", image_master_weights=mode.image_master), mode.config, world=2, micro_batch=4)
+    for kind, predicted in (("weights", p.bytes_per_param["weights"]), ("grads", p.bytes_per_param["grads"]),
+                            ("state", p.bytes_per_param["optimizer_state"])):
+        measured = max(r[kind] for r in rows)  # the fullest rank, as the planner predicts
+        assert predicted == pytest.approx(measured, rel=0.1, abs=0.01), kind
+    measured_total = max(r["total"] for r in rows)
+    assert p.model_state_bytes / p.params == pytest.approx(measured_total, rel=0.1)
+    if p.zero_stage == 3:  # the reduce bucket is alive when the census reads
+        assert p.buffer_bytes == pytest.approx(max(r["buffers_bytes"] for r in rows), rel=0.01)
+
+
+def test_model_states_world1_sum_to_census_kinds() -> None:
+    """At one rank everything is whole: the halfmaster route's partition is 2 B/param, grads 2."""
+    p = predict_memory("tiny", "zero2_bf16_halfmaster.json", world=1, micro_batch=2)
+    assert p.bytes_per_param["weights"] == 2.0
+    assert p.bytes_per_param["partitions"] == pytest.approx(2.0, abs=1e-4)
+    assert p.bytes_per_param["grads"] == 2.0
+    fp32 = predict_memory("tiny", "zero2_fp32.json", world=1, micro_batch=2)
+    assert fp32.bytes_per_param["optimizer_state"] == pytest.approx(8.0, abs=1e-4)  # fp32 Adam, no master
+
+
+# ----------------------------------------------------------------------------------------------
+# activation accounting
+# ----------------------------------------------------------------------------------------------
+
+
+def test_saved_counter_matches_hand_count() -> None:
+    """Linear -> ReLU -> Linear at batch B saves x (B x 8) and the ReLU output (B x 16) once (the
+    second Linear saves the same tensor); weights are model state, not activations."""
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    for batch in (3, 5):
+        x = torch.randn(batch, 8)
+        with count_saved() as counter:
+            net(x).sum()
+        assert counter.bytes == batch * (8 + 16) * 4
+
+
+def test_saved_counter_sees_checkpointed_segment() -> None:
+    """With a checkpointed segment the segment's input is kept (4·B·16 bytes) and its own saved
+    tensors are recomputed in backward: the recomputation peak is the hand count of that segment."""
+    inner = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    first = nn.Linear(8, 16)
+    batch = 4
+    x = torch.randn(batch, 8)
+    with count_saved() as counter:
+        h = first(x)
+        torch.utils.checkpoint.checkpoint(inner, h, use_reentrant=False).sum()
+    assert counter.segments == 1
+    assert counter.bytes == batch * (8 + 16) * 4  # x for the first Linear, h kept for the recomputation
+    assert counter.segment_peak == batch * (16 + 32) * 4  # h and the ReLU output, recomputed
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_meta_activations_match_cpu(checkpointing: bool) -> None:
+    """The meta-device count (used for every plan) agrees with the same count on real CPU tensors."""
+    torch.manual_seed(0)
+    from recipe.model import create_model
+
+    cpu = measure_activations(create_model("tiny"), torch.bfloat16, checkpointing)
+    meta = measure_activations(build_meta_model(ModelSpec("tiny")), torch.bfloat16, checkpointing)
+    assert meta.per_sample == pytest.approx(cpu.per_sample, rel=0.1)
+    assert meta.recompute_per_sample == pytest.approx(cpu.recompute_per_sample, rel=0.1)
+    if checkpointing:
+        assert meta.per_sample < 0.5 * measure_activations(
+            build_meta_model(ModelSpec("tiny")), torch.bfloat16, False).per_sample
+
+
+def test_loss_memory_plain_vs_chunked() -> None:
+    """Plain keeps M x NM fp32 blocks (2 per direction); chunked keeps tiles only."""
+    plain = predict_memory("tiny", "zero2_bf16_halfmaster.json", world=2, micro_batch=256, loss_mode="plain")
+    chunked = predict_memory("tiny", "zero2_bf16_halfmaster.json", world=2, micro_batch=256, loss_mode="chunked",
+                             chunk_size=64)
+    blocks = 4 * 256 * 512 * 4  # four fp32 256 x 512 blocks
+    assert blocks <= plain.loss_bytes <= 1.6 * blocks
+    assert chunked.loss_bytes < plain.loss_bytes / 4
+
+
+# ----------------------------------------------------------------------------------------------
+# search, command line, errors
+# ----------------------------------------------------------------------------------------------
+
+
+def test_plan_prefers_no_checkpointing_and_little_accumulation() -> None:
+    roomy = plan("tiny", gpus=2, gpu_memory="64GiB", global_batch=256)
+    assert (roomy.micro_batch, roomy.accumulation, roomy.checkpointing) == (128, 1, False)
+    assert roomy.ds_config == "ds_configs/zero2_bf16_halfmaster.json"
+    tight = plan("tiny", gpus=2, gpu_memory="1300MiB", global_batch=8192, headroom=0.0)
+    assert tight.total_bytes_per_gpu <= tight.usable_bytes
+    assert tight.accumulation > 1 or tight.checkpointing
+    assert tight.micro_batch * tight.accumulation * 2 == 8192
+
+
+def _launch_args(command: str) -> list[str]:
+    words = shlex.split(command)
+    assert words[:2] == ["NUM_GPUS=2", words[1]] and words[1].startswith("DS_CONFIG=")
+    assert words[2:4] == ["bash", "launch.sh"]
+    return words[4:]
+
+
+def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    rc = main(["--preset", "tiny", "--gpus", "2", "--gpu-memory", "8GiB", "--global-batch", "512",
+               "--ds-config-out", str(out), "--train-data", "data/x.csv", "--loss-mode", "chunked"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "plan: micro-batch" in text and "| **peak** |" in text
+    command = text.strip().splitlines()[-1]
+    args = _launch_args(command)
+    parsed = build_parser().parse_args(args + ["--deepspeed_config", str(out)])  # recipe.train's own parser
+    assert getattr(parsed, "model.preset") == "tiny" and parsed.loss_mode == "chunked"
+    written = read_ds_config(out, world_size=2)  # the JSON the command names, checked as recipe.train does
+    assert written["train_micro_batch_size_per_gpu"] * written["gradient_accumulation_steps"] * 2 == 512
+
+
+def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--preset", "tiny", "--gpus", "2", "--gpu-memory", "8GB", "--global-batch", "64", "--json",
+                 "--no-write", "--grad-checkpointing", "on"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["checkpointing"] is True and "--grad-checkpointing" in data["launch_command"]
+    assert set(data["bytes_per_param"]) == {"weights", "partitions", "grads", "optimizer_state", "buffers"}
+
+
+@pytest.mark.parametrize("text, expected", [("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("81920MiB", 80 * 2**30),
+                                            ("0.5 gib", 2**29)])
+def test_parse_memory(text: str, expected: int) -> None:
+    assert parse_memory(text) == expected
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--preset", "ViT-Z-99"], "unknown preset 'ViT-Z-99'"),
+        (["--preset", "", "--image-encoder", "not_a_timm_model", "--text-encoder", "clip-text"],
+         "image encoder 'not_a_timm_model'"),
+        (["--preset", "", "--image-encoder", "resnet18", "--text-encoder", "no-such-tower"], "text encoder 'no-such-tower'"),
+        (["--preset", "tiny", "--global-batch", "100", "--gpus", "8"], "global batch 100 is not divisible by 8 GPUs"),
+        (["--preset", "tiny", "--gpu-memory", "80"], "has no unit"),
+        (["--preset", "tiny", "--gpu-memory", "80 gigs"], "expected a number and a unit"),
+        (["--preset", "tiny", "--gpu-memory", "1MiB", "--gpus", "2", "--global-batch", "64"], "nothing fits"),
+        (["--preset", "tiny", "--ds-config", "ds_configs/missing.json"], "not found"),
+    ],
+)
+def test_bad_input_is_a_clear_error(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv + ["--no-write"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+
+
+def test_nothing_fits_names_the_term() -> None:
+    with pytest.raises(PlanError, match="largest term is activations"):
+        plan("tiny", gpus=1, gpu_memory="40MiB", global_batch=4096, ds_config="zero0_fp16_sr_lossscale.json")
