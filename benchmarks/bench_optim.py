@@ -168,7 +168,10 @@ def candidates(device: str) -> list[tuple[str, torch.dtype, Callable]]:
     sr_configs = [
         ("bf16 w + bf16 SR states", torch.bfloat16, {"state_dtype": torch.bfloat16}),
         ("fp16 w + scaled fp16 SR states", torch.float16, {"state_dtype": torch.float16}),
-        ("bf16 w + fp32 master/states", torch.bfloat16, {"master_weights": True, "state_dtype": torch.float32}),
+        ("bf16 w + fp32 master/states", torch.bfloat16,
+         {"master_weights": True, "master_format": "fp32", "state_dtype": torch.float32}),
+        ("bf16 w + split master (int16 low half)/fp32 states", torch.bfloat16,
+         {"master_weights": True, "state_dtype": torch.float32}),
     ]
     for label, dtype, kw in sr_configs:
         c.append((f"SRAdamW {label} (PyTorch path)", dtype, lambda ps, kw=kw: SRAdamW(ps, lr=1e-3, fused=False, **kw)))

@@ -41,6 +41,8 @@ __all__ = ["compiled_updates_", "available", "unavailable_reason"]
 
 #: One call handles up to this many elements (the noise index's low half must not wrap inside it).
 MAX_BLOCK = 1 << 31
+#: Elements per call for a split master (its int32 widening is a temporary of 4 bytes per element).
+SPLIT_BLOCK = 1 << 22
 #: Elements of the dummy tensors a route is first compiled on (see :func:`_prime`).
 _PRIME = 1 << 20
 
@@ -129,13 +131,21 @@ def compiled_updates_(
                 for t in (param, s.grad, s.exp_avg, s.exp_avg_sq, s.master)]
         route = (*(t.dtype if t is not None else None for t in flat), m_scales is None, v_scales is None,
                  gmul is None, skip is None, sr_p, sr_m, sr_v, s.clamp is not None)
+        split = flat[4] is not None and flat[4].dtype == torch.int16
+        if split:  # int16 master halves enter the loop widened to int32 (Inductor keeps int16 scalar)
+            route = (*route[:4], torch.int32, *route[5:])
         fn = _compiled(route)
-        for start, length in segments(s.index_offset, param.numel(), MAX_BLOCK):
+        for start, length in segments(s.index_offset, param.numel(), SPLIT_BLOCK if split else MAX_BLOCK):
             at = s.index_offset + start
             words = table[i] if at >> 32 == 0 else segment_words(s.keys, at >> 32)
             lo0 = lo_tensor(at & _M32, device)
             whole = start == 0 and length == param.numel()
             block = flat if whole else [t[start:start + length] if t is not None else None for t in flat]
+            if split:
+                low = block[4]
+                block = [*block[:4], low.to(torch.int32)]
             fn(*block, hp, words, lo0, m_scales, v_scales, gmul, skip, sr_p, sr_m, sr_v, s.clamp is not None)
+            if split:
+                low.copy_(block[4])  # exact: the values are in int16's range
         if param is not s.param:
             s.param.copy_(param)

@@ -49,7 +49,7 @@ from typing import Literal
 
 import torch
 
-from .master16 import join_master, split_master
+from .master16 import join_master, split_bits
 from .rounding import (
     _GOLDEN,
     _M32,
@@ -299,7 +299,9 @@ def update_block_(
     gf = g.to(f32)
     if grad_mul is not None:
         gf = gf * grad_mul
-    split = master is not None and master.dtype == torch.int16  # the exact master in 2 bytes (optim.master16)
+    # the exact master in 2 bytes (optim.master16): int16 low halves (int32 on the compiled CPU path,
+    # which widens them around its loop: its compiler keeps 16-bit integers out of vector code)
+    split = master is not None and master.dtype in (torch.int16, torch.int32)
     if split:
         w = join_master(p, master)
     else:
@@ -329,8 +331,8 @@ def update_block_(
     masked_copy_(m, mf, skip)
     masked_copy_(v, vf, skip)
     if split:
-        hi, low = split_master(w)
-        masked_copy_(master, low, skip)
+        hi, low = split_bits(w)
+        masked_copy_(master, low, skip)  # exact: low is in int16's range
         masked_copy_(p, hi, skip)  # nearest, ties away from zero: the high half
     elif master is not None:
         masked_copy_(master, w, skip)

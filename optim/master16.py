@@ -27,34 +27,40 @@ import torch
 
 from .rounding import _as_i32
 
-__all__ = ["join_master", "split_master"]
+__all__ = ["join_master", "split_master", "split_bits"]
 
 
 def join_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """The float32 master of a bfloat16 high half and an int16 low half (same shapes).
+    """The float32 master of a bfloat16 high half and its low half (same shapes).
 
     Args:
         hi: bfloat16 tensor (the parameter).
-        lo: int16 tensor (the optimizer state).
+        lo: int16 tensor (the optimizer state), or int32 holding the same values.
 
     Returns:
         float32 tensor ``w`` with ``split_master(w) == (hi, lo)`` bit for bit (up to NaN payloads).
     """
-    h = hi.view(torch.int16).to(torch.int32)  # sign-extended: the sign of w in the top bit
+    # hi's bits through the exact bfloat16 -> float32 conversion (a shift), not a 16-bit view: torch's
+    # CPU compiler does not vectorise 16-bit integers
+    h = hi.float().view(torch.int32)
     low = lo.to(torch.int32) & 0xFFFF
-    carry = (low >> 15).to(torch.int32)  # the half-up rounding carried into the high half
-    sign = h & _as_i32(0x80000000)
-    mag = ((h & 0x7FFF) - carry) << 16
-    return (sign | mag | low).view(torch.float32)
+    carry = low >> 15  # the half-up rounding carried into the high half
+    return ((h & _as_i32(0x80000000)) | ((h & 0x7FFF0000) - (carry << 16)) | low).view(torch.float32)
 
 
-def split_master(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hi, lo)`` of a float32 tensor: the bfloat16 weight (nearest, ties away from zero) and the
-    int16 low half of the bit pattern (see the module docstring)."""
+def split_bits(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hi, lo)`` of a float32 tensor with ``lo`` as int32 values in int16's range (what
+    :func:`split_master` narrows; the update stores it into the int16 state)."""
     wb = w.view(torch.int32)
     mag = wb & 0x7FFFFFFF
     # |W| + 0x8000 stays below 2**31 for every non-NaN pattern; a NaN keeps a quiet NaN high half
     hi_mag = torch.where(mag > 0x7F800000, 0x7FC00000, (mag + 0x8000) & _as_i32(0xFFFF0000))
     hi = (hi_mag | (wb & _as_i32(0x80000000))).view(torch.float32).to(torch.bfloat16)  # exact: low half 0
-    lo = ((wb & 0xFFFF) ^ 0x8000) - 0x8000  # the low 16 bits, sign-extended into int16's range
+    return hi, ((wb & 0xFFFF) ^ 0x8000) - 0x8000  # the low 16 bits, sign-extended
+
+
+def split_master(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hi, lo)`` of a float32 tensor: the bfloat16 weight (nearest, ties away from zero) and the
+    int16 low half of the bit pattern (see the module docstring)."""
+    hi, lo = split_bits(w)
     return hi, lo.to(torch.int16)

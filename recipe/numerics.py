@@ -1,7 +1,8 @@
 """Numerics telemetry of SRAdamW (``--numerics-every N``): what half precision does to the update.
 
 Metrics (``metrics.jsonl`` and TensorBoard; shares are pooled over every sampled element of every
-rank and every counted step since the previous read):
+rank and every counted step since the previous read; the training loop samples only the steps it
+reads, every ``--numerics-every`` steps, so the hooks' cost is spread over that many steps):
 
 * ``numerics/sr_below_half_ulp``: in the stochastic-rounding groups (no master, half-precision
   weights), the share of sampled elements whose float32 update ``Δw = w_new - w`` is nonzero but would
@@ -97,6 +98,9 @@ class _Route:
     hp: torch.Tensor | None = None  # float32 [rows, len(_HP)] on the device
     counts: torch.Tensor | None = None  # float64 [groups, len(_COLS)]
     has_clamp: bool = False  # some tensor of the route is in a clamped group (host knowledge)
+    masks: list[torch.Tensor] = field(default_factory=list)  # bool [n] per column of _COLS, in order
+    groups: torch.Tensor | None = None  # float32 [n, groups] one-hot (several groups in the route)
+    group: int | None = None  # the one group of the route's tensors
 
 
 @dataclass
@@ -138,13 +142,16 @@ class NumericsMonitor:
         self._group_index = {id(g): i for i, g in enumerate(self._groups)}
         self.group_names = [str(g.get("name", f"group{i}")) for i, g in enumerate(self._groups)]
         self._sr_groups = [i for i, g in enumerate(self._groups) if _is_sr(g)]
-        self._indices: dict[int, tuple[torch.Tensor, int]] = {}  # id(param) -> (device indices, numel)
+        self._indices: dict[int, tuple[torch.Tensor, int, int]] = {}  # id(param) -> (device indices, numel, samples)
         self._owners: dict[tuple, torch.Tensor] = {}
         self._handles: list[Any] = []
         self._calls: list[_Route] = []  # the routes of the call in flight (pre-hook -> post-hook)
         self._pending: _Pending | None = None
         self._acc: _Pending | None = None
         self.steps = 0  # counted steps since the last read (host: end_step's flag is a host bool)
+        # whether the hooks sample the coming optimizer step: the training loop arms only the steps it
+        # reads (every ``every`` steps), so the cost is spread over ``every`` steps
+        self.active = True
 
     # ------------------------------------------------------------------------------------------
     def attach(self) -> "NumericsMonitor":
@@ -162,6 +169,8 @@ class NumericsMonitor:
         self._calls, self._pending = [], None
 
     def _pre_hook(self, opt: Any, args: tuple, kwargs: dict) -> None:
+        if not self.active:
+            return
         grad_mul = kwargs.get("inv_grad_scale")
         scale = kwargs.get("grad_scale")
         if grad_mul is None and scale is not None:
@@ -169,7 +178,8 @@ class NumericsMonitor:
         self.before_step(grad_mul)
 
     def _post_hook(self, opt: Any, args: tuple, kwargs: dict) -> None:
-        self.after_step()
+        if self.active:
+            self.after_step()
 
     # ------------------------------------------------------------------------------------------
     def _sample(self, p: torch.Tensor, ordinal: int) -> torch.Tensor:
@@ -183,8 +193,9 @@ class NumericsMonitor:
         else:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + ordinal)
             idx = torch.randint(0, n, (self.sample_per_tensor,), generator=gen).sort().values  # with replacement
+        k = len(idx)
         idx = idx.to(p.device)
-        self._indices[id(p)] = (idx, n)
+        self._indices[id(p)] = (idx, n, k)
         return idx
 
     @torch.no_grad()
@@ -218,7 +229,7 @@ class NumericsMonitor:
         for p, group, gi, j in items:
             idx = self._sample(p, gi * 100_003 + j)
             st = opt.state.get(p) or {}
-            master = st.get("master")
+            master = _master(opt, p, st, group)
             value = master if master is not None else p
             g.append(p.grad.reshape(-1)[idx])
             ps.append(p.detach().reshape(-1)[idx])
@@ -247,38 +258,61 @@ class NumericsMonitor:
         table[:, _H["neg_step"]] = -table[:, _H["neg_step"]] * bc2.sqrt() / bc1
         hp = table.to(f32).to(device, non_blocking=True)
         owner = self._owner(items, device)
-        e = hp[owner]  # [n, len(_HP)]
+        n = owner.numel()
+        e = hp.expand(n, -1) if len(items) == 1 else hp[owner]  # [n, len(_HP)] (one tensor: a view)
         col = lambda name: e[:, _H[name]]  # noqa: E731
 
-        gf = torch.cat(g).to(f32)
+        gf = _cat(g).to(f32)
         if grad_mul is not None:
             gf = gf * (grad_mul.to(device=device, dtype=f32) if isinstance(grad_mul, torch.Tensor) else grad_mul)
-        mo, vo = torch.cat(m).to(f32), torch.cat(v).to(f32)
+        mo, vo = _cat(m).to(f32), _cat(v).to(f32)
         if sdt == torch.float16:  # stored value / power-of-two scale (from the bounds before the step)
             mo = mo * state_scale(torch.stack(bm))[owner]
             vo = vo * state_scale(torch.stack(bv))[owner]
-        wv = torch.cat(w).to(f32)
+        wv = _cat(w).to(f32)
         mn = mo * col("beta1") + gf * col("omb1")
         vn = vo * col("beta2") + (gf * gf) * col("omb2")
         w_unc = wv * col("decay") + (mn * col("neg_step")) / (vn.sqrt() + col("eps_hat"))
-        w_new = torch.minimum(torch.maximum(w_unc, col("lo")), col("hi"))
-        sr = col("sr") != 0
-        moved = sr & (w_new != wv)
-        below = moved & (w_new.to(dtype) == torch.cat(ps))  # round to nearest would give back w
-        gid = col("group").long()
-        counts = torch.zeros(len(self._groups), len(_COLS), dtype=torch.float64, device=device)
-        counts[:, _C["sr_n"]].index_add_(0, gid, moved.double())
-        counts[:, _C["sr_below"]].index_add_(0, gid, below.double())
-        beyond = (col("clamped") != 0) & ((w_unc < col("lo")) | (w_unc > col("hi")))
+        # host knowledge of the route decides which comparisons run at all (fewer small ops per step)
+        srs = [_is_sr(group) for _, group, *_ in items]
         has_clamp = any(group.get("clamp") is not None for _, group, *_ in items)
-        return _Route([p for p, *_ in items], dtype, sdt, owner, mn, vn, wv, beyond, e, counts, has_clamp)
+        w_new, beyond = w_unc, None
+        if has_clamp:
+            w_new = torch.minimum(torch.maximum(w_unc, col("lo")), col("hi"))
+            beyond = (w_unc < col("lo")) | (w_unc > col("hi"))
+        if any(srs):
+            moved = w_new != wv
+            if not all(srs):
+                moved = moved & (col("sr") != 0)
+            below = moved & (w_new.to(dtype) == _cat(ps))  # round to nearest would give back w
+        else:
+            moved = below = torch.zeros(n, dtype=torch.bool, device=device)
+        route = _Route([p for p, *_ in items], dtype, sdt, owner, mn, vn, wv, beyond, e, None, has_clamp)
+        route.masks = [moved, below]
+        gis = {gi for _, _, gi, _ in items}
+        route.group = gis.pop() if len(gis) == 1 else None
+        if route.group is None:
+            route.groups = self._onehot(items, device)
+        return route
+
+    def _onehot(self, items: list, device: torch.device) -> torch.Tensor:
+        """float32 [n, groups]: element -> its group (cached with the owners)."""
+        key = ("groups",) + tuple(id(p) for p, *_ in items)
+        got = self._owners.get(key)
+        if got is None or got.device != device:
+            owner = self._owners[("cpu",) + tuple(id(p) for p, *_ in items)]
+            gid = torch.tensor([gi for _, _, gi, _ in items])[owner]
+            got = self._owners[key] = torch.nn.functional.one_hot(gid, len(self._groups)).to(
+                torch.float32).to(device, non_blocking=True)
+        return got
 
     def _owner(self, items: list, device: torch.device) -> torch.Tensor:
         key = tuple(id(p) for p, *_ in items)
         got = self._owners.get(key)
         if got is None or got.device != device:
-            sizes = torch.tensor([len(self._indices[id(p)][0]) for p, *_ in items])
-            got = self._owners[key] = torch.repeat_interleave(torch.arange(len(items)), sizes).to(device, non_blocking=True)
+            sizes = torch.tensor([self._indices[id(p)][2] for p, *_ in items])
+            host = self._owners[("cpu",) + key] = torch.repeat_interleave(torch.arange(len(items)), sizes)
+            got = self._owners[key] = host.to(device, non_blocking=True)
         return got
 
     @torch.no_grad()
@@ -300,20 +334,18 @@ class NumericsMonitor:
         for r in routes:
             states = [opt.state.get(p) or {} for p in r.params]
             idx = [self._indices[id(p)][0] for p in r.params]
-            counts = r.counts
-            e = r.hp
-            gid = e[:, _H["group"]].long()
-            half = e[:, _H["half"]] != 0
+            masks = r.masks  # columns of _COLS, in order
             if r.state_dtype in _HALF and all("exp_avg" in s for s in states):
                 big = torch.finfo(r.state_dtype).max
-                for name, pred, n_c, u_c, s_c in (("exp_avg", r.pred_m, "m_n", "m_under", "m_sat"),
-                                                  ("exp_avg_sq", r.pred_v, "v_n", "v_under", "v_sat")):
-                    stored = torch.cat([s[name].reshape(-1)[i] for s, i in zip(states, idx)]).to(torch.float32)
-                    live = half & (pred != 0)
-                    counts[:, _C[n_c]].index_add_(0, gid, live.double())
-                    counts[:, _C[u_c]].index_add_(0, gid, (live & (stored == 0)).double())
-                    counts[:, _C[s_c]].index_add_(0, gid, (live & (stored.abs() >= big)).double())
-            pending.counts += counts.to(device)
+                for name, pred in (("exp_avg", r.pred_m), ("exp_avg_sq", r.pred_v)):
+                    stored = _cat([s[name].reshape(-1)[i] for s, i in zip(states, idx)])
+                    live = pred != 0
+                    masks += [live, live & (stored == 0), live & (stored.abs() >= big)]
+            stacked = torch.stack(masks).to(torch.float32)  # [columns, n]
+            if r.group is not None:  # one group: a row sum (exact: n < 2**24)
+                pending.counts[r.group, :len(masks)] += stacked.sum(1).to(device)
+            else:
+                pending.counts[:, :len(masks)] += (stacked @ r.groups).T.to(device)
             if r.has_clamp:
                 self._clamp_after(r, states, idx, pending, device)
             if r.state_dtype == torch.float16:
@@ -323,9 +355,10 @@ class NumericsMonitor:
                      device: torch.device) -> None:
         values = []
         for s, p, i in zip(states, r.params, idx):
-            value = s.get("master") if s.get("master") is not None else p
-            values.append(value.detach().reshape(-1)[i].to(torch.float32))
-        post = torch.cat(values)
+            master = _master(self.optimizer, p, s, {"clamp": True})
+            value = master if master is not None else p
+            values.append(value.detach().reshape(-1)[i])
+        post = _cat(values).to(torch.float32)
         e = r.hp
         at_bound = (post == e[:, _H["lo_v"]]) | (post == e[:, _H["hi_v"]])
         held = (e[:, _H["clamped"]] != 0) & at_bound & (r.beyond | (post != r.w_pre))
@@ -414,6 +447,21 @@ class NumericsMonitor:
             values["numerics/logit_scale_clamped"] = maxed_l[0] / steps_all
         out.update({k: v for k, v in values.items() if v is not None})
         return out
+
+
+def _master(opt: Any, p: torch.Tensor, state: dict, group: dict) -> torch.Tensor | None:
+    """The float32 master of ``p``: the ``master`` state, or for a clamped group whose bf16 master is
+    split (``master_low``, int16 low half) the optimizer's own join ``SRAdamW.master(p)`` (a whole-tensor
+    device op: only for clamped groups, the one-element logit scale)."""
+    if state.get("master") is not None:
+        return state["master"]
+    if "master_low" in state and group.get("clamp") is not None and hasattr(opt, "master"):
+        return opt.master(p)
+    return None
+
+
+def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
+    return xs[0] if len(xs) == 1 else torch.cat(xs)
 
 
 def _is_sr(group: dict[str, Any]) -> bool:

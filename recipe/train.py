@@ -113,6 +113,8 @@ def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
         for g in opt.param_groups:
             g["lr"] = lr_at(state.step, cfg, total) * g.get("lr_scale", 1.0)  # per tower / layer (param_groups)
         micro_batches = [next(batches) for _ in range(accum)]
+        if numerics is not None:  # sample only the steps that are read (the cost is spread over them)
+            numerics.active = is_numerics_step(numerics, state.step + 1, total)
         result = train_step(engine, opt, loss_fn, prec, micro_batches, state, cfg.max_nonfinite_in_row,
                             stop_requested=stop.requested, contrastive_batch=cfg.contrastive_batch)
         if ema is not None:
@@ -360,9 +362,14 @@ def train_metrics(
 def read_numerics(numerics: NumericsMonitor | None, step: int, total: int) -> dict[str, float]:
     """The numerics metrics on a numerics step (every ``--numerics-every`` steps and the last), else
     ``{}``. All ranks call it at the same steps (it all-reduces, then reads on the host)."""
-    if numerics is None or not (step % numerics.every == 0 or step == total):
+    if numerics is None or not is_numerics_step(numerics, step, total):
         return {}
     return numerics.read()
+
+
+def is_numerics_step(numerics: NumericsMonitor, step: int, total: int) -> bool:
+    """Whether step ``step`` (1-based) is sampled and read: every ``--numerics-every`` steps and the last."""
+    return step % numerics.every == 0 or step == total
 
 
 def contrastive_batch_size(mode: str, micro: int, accum: int, world: int) -> int:

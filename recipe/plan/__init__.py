@@ -12,7 +12,15 @@ Modules: :mod:`.states` (model states per ZeRO stage and route), :mod:`.activati
 accounting), :mod:`.search` (prediction and search), :mod:`.cli` (``python -m recipe.plan``).
 """
 
-from .search import MemoryPrediction, Plan, PlanError, ds_configs, parse_memory, plan, predict_memory
+from .search import (
+    MemoryPrediction,
+    Plan,
+    PlanError,
+    ds_configs,
+    parse_memory,
+    plan,
+    predict_memory,
+)
 from .states import ModelSpec
 
-__all__ = ["ModelSpec", "MemoryPrediction", "Plan", "PlanError", "plan", "predict_memory", "parse_memory", "ds_configs"]
+__all__ = ["MemoryPrediction", "ModelSpec", "Plan", "PlanError", "ds_configs", "parse_memory", "plan", "predict_memory"]

@@ -23,13 +23,14 @@ collectives, and the CUDA context itself.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-__all__ = ["SavedCounter", "count_saved", "ActivationBytes", "measure_activations", "measure_loss"]
+__all__ = ["ActivationBytes", "SavedCounter", "count_saved", "measure_activations", "measure_loss"]
 
 
 class SavedCounter:
@@ -52,7 +53,7 @@ class SavedCounter:
         return sum(t.untyped_storage().nbytes() for t in self.held.values())
 
     @contextlib.contextmanager
-    def hooks(self) -> Iterator["SavedCounter"]:
+    def hooks(self) -> Iterator[SavedCounter]:
         def pack(t: torch.Tensor) -> torch.Tensor:
             self.add(t)
             return t
@@ -94,14 +95,14 @@ class _FusedAttentionSaves(torch.autograd.Function):
     these (``ScaledDotProductFlashAttentionForCpuBackward``), so meta and CPU counts agree."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: D102
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
         q, k, v, _, _ = ctx.saved_tensors
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 

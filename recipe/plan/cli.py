@@ -15,8 +15,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from recipe.config import (
-    CONTRASTIVE_BATCH_NAMES, LOSS_MODE_NAMES, _check_bounds, _default_text, _flag, _help_text, _optional, _unwrap,
-    option, preset_names, text_tower_names,
+    CONTRASTIVE_BATCH_NAMES,
+    LOSS_MODE_NAMES,
+    _check_bounds,
+    _default_text,
+    _flag,
+    _help_text,
+    _optional,
+    _unwrap,
+    option,
+    preset_names,
+    text_tower_names,
 )
 
 from .search import Plan, PlanError, format_bytes, plan
@@ -66,7 +75,7 @@ class PlanConfig:
             try:
                 _check_bounds(f, hints[f.name], getattr(self, f.name))
             except ValueError as e:
-                raise PlanError(str(e).replace("_", "-", 1) if False else str(e)) from e
+                raise PlanError(str(e)) from e
         if self.grad_checkpointing not in ("auto", "on", "off"):
             raise PlanError(f"grad_checkpointing must be auto, on or off, got {self.grad_checkpointing!r}")
         if self.loss_mode not in LOSS_MODE_NAMES:
@@ -106,12 +115,12 @@ def render(p: Plan) -> str:
     best = p.prediction
     bpp = p.bytes_per_param
     lines = [
-        f"{best.model}: {best.params:,} parameters, {p.gpus} GPUs x {format_bytes(p.gpu_memory)} "
-        f"(planned to {format_bytes(p.usable_bytes)}: {p.headroom:.0%} headroom), global batch {p.global_batch:,}",
+        (f"{best.model}: {best.params:,} parameters, {p.gpus} GPUs x {format_bytes(p.gpu_memory)} "
+        f"(planned to {format_bytes(p.usable_bytes)}: {p.headroom:.0%} headroom), global batch {p.global_batch:,}"),
         "",
-        f"plan: micro-batch {p.micro_batch} x accumulation {p.accumulation} x {p.gpus} GPUs, gradient checkpointing "
+        (f"plan: micro-batch {p.micro_batch} x accumulation {p.accumulation} x {p.gpus} GPUs, gradient checkpointing "
         f"{'on' if p.checkpointing else 'off'}, {p.ds_config} (ZeRO-{p.zero_stage}, {p.precision_route}), "
-        f"loss {best.loss_mode}, contrastive batch {best.contrastive_batch}",
+        f"loss {best.loss_mode}, contrastive batch {best.contrastive_batch}"),
         "",
         "| per GPU | bytes/param | bytes |",
         "|---|---:|---:|",
@@ -120,8 +129,8 @@ def render(p: Plan) -> str:
     for kind in ("weights", "partitions", "grads", "optimizer_state", "buffers"):
         lines.append(f"| {kind.replace('_', ' ')} | {bpp[kind]:.2f} | {format_bytes(bpp[kind] * n)} |")
     lines += [
-        f"| activations ({format_bytes(best.activation_bytes_per_sample)}/sample x {p.micro_batch}) | "
-        f"| {format_bytes(best.activation_bytes)} |",
+        (f"| activations ({format_bytes(best.activation_bytes_per_sample)}/sample x {p.micro_batch}) | "
+        f"| {format_bytes(best.activation_bytes)} |"),
         f"| embedding cache + gathered embeddings | | {format_bytes(best.cache_bytes + best.gathered_bytes)} |",
         f"| loss ({best.loss_mode}) | | {format_bytes(best.loss_bytes)} |",
         f"| **peak** | | **{format_bytes(p.total_bytes_per_gpu)}** of {format_bytes(p.usable_bytes)} |",
@@ -135,8 +144,8 @@ def render(p: Plan) -> str:
                          f"{'on' if r.checkpointing else 'off'} | {format_bytes(r.activation_bytes)} | "
                          f"{format_bytes(r.total_bytes)} |")
         lines.append("")
-    lines += [f"DeepSpeed JSON: {p.ds_config} with train_micro_batch_size_per_gpu {p.micro_batch}, "
-              f"gradient_accumulation_steps {p.accumulation} -> {p.ds_config_out}", "", p.launch_command]
+    lines += [(f"DeepSpeed JSON: {p.ds_config} with train_micro_batch_size_per_gpu {p.micro_batch}, "
+              f"gradient_accumulation_steps {p.accumulation} -> {p.ds_config_out}"), "", p.launch_command]
     return "\n".join(lines)
 
 

@@ -31,8 +31,15 @@ from .activations import ActivationBytes, measure_activations, measure_loss
 from .states import ModelLayout, ModelSpec, build_meta_model, model_layout, state_bytes
 
 __all__ = [
-    "PlanError", "MemoryPrediction", "Plan", "predict_memory", "plan", "parse_memory", "ds_configs",
-    "format_bytes", "REPO",
+    "REPO",
+    "MemoryPrediction",
+    "Plan",
+    "PlanError",
+    "ds_configs",
+    "format_bytes",
+    "parse_memory",
+    "plan",
+    "predict_memory",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -395,7 +402,9 @@ def _nothing_fits(p: MemoryPrediction | None, memory: int, usable: int, headroom
     return (f"nothing fits in {format_bytes(usable)} per GPU ({format_bytes(memory)} less {headroom:.0%} headroom): "
             f"the smallest candidate ({Path(p.ds_config).stem}, micro-batch {p.micro_batch} x accumulation "
             f"{p.accumulation}, checkpointing {'on' if p.checkpointing else 'off'}) needs {format_bytes(p.total_bytes)}; "
-            f"its largest term is {name}: {format_bytes(size)}")
+            f"its largest term is {name}: {format_bytes(size)}"
+            + ("; the chunked loss keeps tiles only (--loss-mode chunked)" if p.loss_mode == "plain"
+               and name.endswith("loss") else ""))
 
 
 def launch_command(spec: ModelSpec, gpus: int, ds_path: str, p: MemoryPrediction, extra: tuple[str, ...] = ()) -> str:

@@ -33,7 +33,7 @@ import torch
 
 from recipe.precision import Precision
 
-__all__ = ["ModelSpec", "GroupLayout", "ModelLayout", "StateBytes", "model_layout", "state_bytes", "zero_settings"]
+__all__ = ["GroupLayout", "ModelLayout", "ModelSpec", "StateBytes", "model_layout", "state_bytes", "zero_settings"]
 
 
 @dataclass(frozen=True)

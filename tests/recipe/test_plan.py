@@ -22,7 +22,7 @@ from recipe.precision import read_ds_config
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench_memory  # noqa: E402
+import bench_memory
 
 #: census modes and the ds_configs JSON each one runs (bench_memory.MODES), all the planner's routes
 CENSUS_MODES = ["zero2_bf16_halfmaster", "zero3_bf16_halfmaster", "zero2_bf16_halfmaster_allsr",
@@ -40,6 +40,7 @@ def census_w2() -> list[list[dict]]:
     return bench_memory.run_modes(CENSUS_MODES, world=2, batch=4, preset="tiny", timeout_s=600)
 
 
+@pytest.mark.slow  # ~50 s: five DeepSpeed engines on two gloo ranks
 @pytest.mark.parametrize("index", range(len(CENSUS_MODES)), ids=CENSUS_MODES)
 def test_model_states_match_live_census_w2(census_w2: list[list[dict]], index: int) -> None:
     rows = [ranks[index] for ranks in census_w2]
@@ -194,5 +195,9 @@ def test_bad_input_is_a_clear_error(argv: list[str], message: str, capsys: pytes
 
 
 def test_nothing_fits_names_the_term() -> None:
-    with pytest.raises(PlanError, match="largest term is activations"):
+    # the global contrastive batch of 4096 makes the plain loss's 4096 x 4096 fp32 blocks the largest term
+    with pytest.raises(PlanError, match="largest term is plain loss.*--loss-mode chunked"):
         plan("tiny", gpus=1, gpu_memory="40MiB", global_batch=4096, ds_config="zero0_fp16_sr_lossscale.json")
+    with pytest.raises(PlanError, match=r"needs 4\.8\d MiB; its largest term is model states"):
+        plan("tiny", gpus=1, gpu_memory="1MiB", global_batch=4, ds_config="zero0_fp16_sr_lossscale.json",
+             contrastive_batch="micro", checkpointing=False)
