@@ -7,7 +7,12 @@
 #   bash launch.sh --output-dir runs/demo --resume latest      # continue a run with its own settings
 #   bash launch.sh --init-from exported/ --steps 100           # fine-tune an open_clip/HF/recipe model on the demo data
 #   HOSTFILE=hostfile bash launch.sh --train-data 's3-mounted/shards-{0000..0999}.tar' --data-format webdataset
-# Every argument goes to `python -m recipe.train` (`bash launch.sh --help` lists them). Relative paths
+#   bash launch.sh verify                            # preflight (python -m recipe.verify) on the same ranks
+#   NUM_GPUS=8 DS_CONFIG=runs/plans/zero2_bf16_halfmaster_m2048_k2.json bash launch.sh verify --preset ViT-B-32
+# `verify` as the first argument launches `python -m recipe.verify` instead of training, on the ranks
+# the run would get (NUM_GPUS, HOSTFILE, DS_CONFIG as below; `bash launch.sh verify --help` lists its
+# flags); it exits non-zero when a check fails on any rank.
+# Every other argument goes to `python -m recipe.train` (`bash launch.sh --help` lists them). Relative paths
 # are taken from the directory you run this from. Without --train-data (or --config / --resume) the
 # demo's settings are the defaults and your arguments override them.
 # Environment: NUM_GPUS, DS_CONFIG, OUTPUT_DIR, DATA_DIR (demo data), HOSTFILE, MASTER_ADDR, MASTER_PORT.
@@ -25,8 +30,14 @@ has() {  # has FLAG ARGS...: whether FLAG (or FLAG=value) is among ARGS
   return 1
 }
 
+module=recipe.train
+if [[ ${1:-} == verify ]]; then  # the preflight: `bash launch.sh verify [recipe.verify flags]`
+  module=recipe.verify
+  shift
+fi
+
 if has --help "$@" || has -h "$@"; then
-  python -m recipe.train --help
+  python -m "$module" --help
   exit 0
 fi
 
@@ -39,22 +50,27 @@ else
 fi
 
 args=()
-resuming=false
-if has --resume "$@" || has --config "$@"; then resuming=true; fi
-# the run's own DeepSpeed JSON when resuming (from its config.json), the default otherwise
-if [[ -n ${DS_CONFIG:-} ]] || ! $resuming; then
-  args+=(--deepspeed_config "${DS_CONFIG:-$REPO/ds_configs/zero2_bf16_halfmaster.json}")
-fi
-if ! has --output-dir "$@"; then
-  args+=(--output-dir "${OUTPUT_DIR:-runs/synthetic-$(date +%Y%m%d-%H%M%S)}")
-fi
-if ! has --train-data "$@" && ! $resuming; then
-  # the demo: a synthetic dataset written once, a small CLIP trained on it, evaluated on its held-out split
-  DATA_DIR=${DATA_DIR:-$REPO/data/synthetic}
-  [ -f "$DATA_DIR/train.csv" ] || python -m recipe.synthetic --out "$DATA_DIR" --n 6000 --image-size 32
-  args+=(--train-data "$DATA_DIR/train.csv" --val-data "$DATA_DIR/val.csv"
-         --steps 400 --lr 2e-3 --warmup-steps 30 --eval-every 200 --log-every 50)
-  has --init-from "$@" || args+=(--preset tiny)   # --init-from brings its own architecture
+if [[ $module == recipe.verify ]]; then
+  # the run's DeepSpeed JSON (a --ds-config among the arguments comes later and wins); no run directory, no data
+  args+=(--ds-config "${DS_CONFIG:-$REPO/ds_configs/zero2_bf16_halfmaster.json}")
+else
+  resuming=false
+  if has --resume "$@" || has --config "$@"; then resuming=true; fi
+  # the run's own DeepSpeed JSON when resuming (from its config.json), the default otherwise
+  if [[ -n ${DS_CONFIG:-} ]] || ! $resuming; then
+    args+=(--deepspeed_config "${DS_CONFIG:-$REPO/ds_configs/zero2_bf16_halfmaster.json}")
+  fi
+  if ! has --output-dir "$@"; then
+    args+=(--output-dir "${OUTPUT_DIR:-runs/synthetic-$(date +%Y%m%d-%H%M%S)}")
+  fi
+  if ! has --train-data "$@" && ! $resuming; then
+    # the demo: a synthetic dataset written once, a small CLIP trained on it, evaluated on its held-out split
+    DATA_DIR=${DATA_DIR:-$REPO/data/synthetic}
+    [ -f "$DATA_DIR/train.csv" ] || python -m recipe.synthetic --out "$DATA_DIR" --n 6000 --image-size 32
+    args+=(--train-data "$DATA_DIR/train.csv" --val-data "$DATA_DIR/val.csv"
+           --steps 400 --lr 2e-3 --warmup-steps 30 --eval-every 200 --log-every 50)
+    has --init-from "$@" || args+=(--preset tiny)   # --init-from brings its own architecture
+  fi
 fi
 
 launcher=(deepspeed --no_local_rank --log_level critical)  # the ranks report their own errors
@@ -70,7 +86,7 @@ launcher+=(${MASTER_PORT:+--master_port "$MASTER_PORT"})
 
 # The launcher runs in the background so that this script can pass SIGTERM/SIGINT on to the ranks
 # (the `deepspeed` runner does not forward them on a single node, leaving the ranks running).
-"${launcher[@]}" --module recipe.train "${args[@]}" "$@" &
+"${launcher[@]}" --module "$module" "${args[@]}" "$@" &
 runner=$!
 forward() {  # the ranks are the children of the per-node launcher, itself a child of the runner
   local sig=$1 node

@@ -227,6 +227,9 @@ def measure_engine(
     for _, t in walked:
         other += claim(t, "other")
     other += sum(claim(b, "other") for b in module.buffers())  # e.g. position ids
+    from optim.functional import cached_tensors
+
+    other += sum(claim(t, "other") for t in cached_tensors())  # SRAdamW's hyperparameter vectors (bytes)
     for _, t in _walk(vars(engine), "engine", {id(module), id(optimizer), id(zero)}):
         other += claim(t, "other")
     census = tensor_census(describe=True)

@@ -367,18 +367,36 @@ def _scale_pair(scales: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None)
     return torch.stack([x.reshape(()) for x in scales])
 
 
-@functools.lru_cache(maxsize=256)
+#: Small read-only tensors the update reuses across calls (hyperparameter vectors, index scalars), by
+#: key; bounded (the oldest entry goes first). :func:`cached_tensors` lists them (memory census).
+_TENSOR_CACHE: dict[tuple, torch.Tensor] = {}
+_TENSOR_CACHE_SIZE = 256
+
+
+def _cached(key: tuple, make) -> torch.Tensor:
+    t = _TENSOR_CACHE.get(key)
+    if t is None:
+        if len(_TENSOR_CACHE) >= _TENSOR_CACHE_SIZE:
+            _TENSOR_CACHE.pop(next(iter(_TENSOR_CACHE)))
+        t = _TENSOR_CACHE[key] = make()
+    return t
+
+
+def cached_tensors() -> list[torch.Tensor]:
+    """The small tensors the update keeps between calls (a few bytes each; for memory accounting)."""
+    return list(_TENSOR_CACHE.values())
+
+
 def _hp_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
     """The float32 ``hp`` vector of these hyperparameter values (cached: the tensors of a group share
     one per step; read only)."""
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return _cached(("hp", values, device), lambda: torch.tensor(values, dtype=torch.float32, device=device))
 
 
-@functools.lru_cache(maxsize=64)
 def lo_tensor(at: int, device: torch.device) -> torch.Tensor:
     """int32 0-dim: the low 32 bits of noise index ``at`` (the ``lo0`` of :func:`update_block_`;
     cached, read only)."""
-    return torch.tensor(_as_i32(at & _M32), dtype=torch.int32, device=device)
+    return _cached(("lo", at, device), lambda: torch.tensor(_as_i32(at & _M32), dtype=torch.int32, device=device))
 
 
 def words_table(specs: Sequence[TensorStep]) -> torch.Tensor:

@@ -249,8 +249,13 @@ def load(engine: Any, tag_dir: str | os.PathLike) -> dict[str, Any]:
     """Loads a complete checkpoint into ``engine`` (model, optimizer incl. SR seed, scheduler) and
     returns this rank's client state.
 
+    A checkpoint written by another number of ranks is re-sharded (:mod:`recipe.elastic`, ZeRO 0-2):
+    the client state then has ``"data"`` the list of every saved rank's data position and
+    ``"resharded_from"`` the saved world size.
+
     Raises:
-        CheckpointError: On a missing, incomplete or unreadable checkpoint, or a world-size change.
+        CheckpointError: On a missing, incomplete or unreadable checkpoint, or a world-size change
+            that cannot be re-sharded (naming what is unsupported).
     """
     tag_dir = Path(tag_dir)
     if not (tag_dir / COMPLETE).exists():
@@ -258,7 +263,15 @@ def load(engine: Any, tag_dir: str | os.PathLike) -> dict[str, Any]:
     meta = json.loads((tag_dir / COMPLETE).read_text())
     world = rank_world()[1]
     if meta.get("world_size", world) != world:
-        raise CheckpointError(f"checkpoint {tag_dir} was written by {meta['world_size']} ranks, this run has {world}")
+        from .elastic import load_resharded  # an elastic resume
+
+        try:
+            return load_resharded(engine, tag_dir, int(meta["world_size"]))
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {tag_dir} was written by {meta['world_size']} ranks, this run has "
+                                  f"{world}, and re-sharding it failed: {type(e).__name__}: {e}") from e
     rank_file = tag_dir / f"rank{rank_world()[0]:05d}.pt"
     try:
         path, _ = engine.load_checkpoint(

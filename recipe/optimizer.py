@@ -51,8 +51,13 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, prec: Precision) -
             g["clamp"] = (0.0, model.max_log_logit_scale)
             g["state_dtype"] = torch.float32
     o = cfg.optim
+    # ZeRO-0 (the fp16 route) replicates the weights: every rank updates the same tensors and must draw
+    # the same rounding noise (the noise rank 0), or the replicas drift apart. ZeRO-1/2/3 partitions are
+    # disjoint: each rank draws its own (the default, from torch.distributed).
+    rank = 0 if prec.zero_stage == 0 else None
     return SRAdamW(
-        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, seed=o.sr_seed
+        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, seed=o.sr_seed,
+        rank=rank,
     )
 
 

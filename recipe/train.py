@@ -305,6 +305,9 @@ def restore(engine: Any, run_dir: Path, resume: str, loader: Any, prec: Precisio
         prec.loss_scaler.load_state_dict(client["loss_scaler"])
     state = TrainState(**client["state"])
     say(f"resumed from step {state.step} (checkpoint {tag_dir})")
+    if client.get("resharded_from"):  # elastic resume: another world size (recipe/elastic.py)
+        say(f"elastic resume: checkpoint of {client['resharded_from']} ranks re-sharded onto {rank_world()[1]}; "
+            f"the data continues at epoch {loader.epoch} with the samples not yet read")
     if ema is not None and not ema.restore(tag_dir, client.get("ema")):
         say(f"checkpoint {tag_dir} has no EMA: the average restarts from its weights")
     return state

@@ -26,7 +26,7 @@ from recipe.config import DataConfig
 from .classfolder import has_metadata_file, open_class_folder
 from .decode import REPEATED, SKIP_REASONS, Sample, SampleDecoder, Tokenize, build_transform, clean_caption, collate
 from .formats import MAP_FORMATS, MapSource, RawSample, canonical_format, detect_format, expand_paths, open_map_source
-from .plans import Cursor, Layout, MapPlan, StreamPlan
+from .plans import Cursor, Layout, MapPlan, Remainder, StreamPlan, remainder_after
 from .webdataset import StreamSource, open_stream_source
 
 logger = logging.getLogger(__name__)
@@ -349,9 +349,12 @@ class ClipLoader:
         return self._producer.plan.num_batches
 
     def _meta(self) -> dict[str, Any]:
-        """What an exact mid-epoch resume needs unchanged."""
+        """What an exact mid-epoch resume needs unchanged (the remainder: after an elastic resume)."""
         layout = asdict(self._producer.layout)  # train, batch_size, rank, world_size, seed
-        return {**layout, "num_workers": self.num_workers, "num_source_samples": self.num_source_samples}
+        meta = {**layout, "num_workers": self.num_workers, "num_source_samples": self.num_source_samples}
+        remainder = getattr(self._producer.plan, "remainder", None)
+        meta["remainder"] = remainder.to_dict() if remainder is not None and remainder.epoch == self._epoch else None
+        return meta
 
     def state_dict(self) -> dict[str, Any]:
         """The position (epoch, pass, batches consumed, per-worker read positions) and counts."""
@@ -371,19 +374,26 @@ class ClipLoader:
         """Restore a position saved by :meth:`state_dict` (or pick this rank's from a list).
 
         A mid-epoch position needs the same world size, batch size, worker count, seed and data
-        size; at an epoch boundary only the epoch and counts are taken.
+        size; at an epoch boundary only the epoch and counts are taken. A list of every saved
+        rank's state from another world size, batch size or worker count re-shards the position
+        (:meth:`_load_resharded`, an elastic resume).
 
         Raises:
             ValueError: On a mismatch that makes an exact mid-epoch resume impossible.
         """
         if isinstance(state, Sequence) and not isinstance(state, Mapping):
-            if len(state) != self.world_size:
-                raise ValueError(f"got {len(state)} rank states for world_size={self.world_size}")
+            if self._needs_reshard(state):
+                self._load_resharded(state)
+                return
             state = state[self.rank]
         self.close()
         mid_epoch = state["batches"] > 0 or state["pass"] > 0
+        plan = self._producer.plan
+        if isinstance(plan, MapPlan):  # mid-epoch: the rest of an epoch an elastic resume began, if any
+            plan.set_remainder(Remainder.from_dict(state["meta"].get("remainder")) if mid_epoch else None)
         if mid_epoch:
             saved, here = state["meta"], self._meta()
+            here["remainder"] = plan.remainder.to_dict() if getattr(plan, "remainder", None) else None
             diff = {k: (saved.get(k), v) for k, v in here.items() if saved.get(k) != v}
             if diff:
                 raise ValueError(f"cannot resume mid-epoch: data loader settings changed (saved, now): {diff}")
@@ -397,6 +407,87 @@ class ClipLoader:
             self._rr = int(state["next_worker"])
             self._workers = [_WorkerState(**w) for w in state["workers"]]
             self.epoch_stats = Counter(state.get("epoch_stats", {}))
+
+    # --- elastic resume: the position re-sharded over another world size -------------------
+
+    _RESHARDABLE = ("rank", "world_size", "batch_size", "num_workers")
+
+    def _needs_reshard(self, states: Sequence[Mapping[str, Any]]) -> bool:
+        """Whether every rank's saved ``states`` need re-sharding here: another number of ranks, or
+        (mid-epoch) another batch size or worker count."""
+        if len(states) != self.world_size:
+            return True
+        saved, here = states[self.rank].get("meta", {}), self._meta()
+        return any(saved.get(k) != here[k] for k in self._RESHARDABLE if k in saved)
+
+    def _load_resharded(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """Continue from every saved rank's position on this loader's world size, batch size and
+        workers (an elastic resume).
+
+        The rows the saved ranks read in the current epoch (their workers' read positions through
+        the saved layout) are taken out of the epoch's permutation; the rest, in permutation order,
+        is this epoch's :class:`recipe.data.plans.Remainder`, dealt ``rest[rank::world]`` to the new
+        ranks. So within the epoch no sample is read twice or left out, beyond the fewer than
+        ``world_size x batch_size`` rows every epoch leaves at its end. The position is mapped by
+        samples, not by batches: with no bad samples the rows read are the permutation's first
+        ``steps x accumulation x micro-batch x world size`` of the saving run. Skip counts (of all
+        saved ranks) go to rank 0, so that their sum over ranks is kept.
+
+        Raises:
+            ValueError: States of different epochs or not one per saved rank, another seed, data
+                size or training/evaluation kind, or a mid-epoch position of a streamed source
+                (``datasets`` splits a stream by node; its position cannot be re-sharded).
+        """
+        old_world = len(states)
+        metas = [dict(s.get("meta", {})) for s in states]
+        if old_world == 0 or any(m.get("world_size") != old_world or m.get("rank") != r for r, m in enumerate(metas)):
+            raise ValueError(f"cannot re-shard the data position: expected one state per saved rank in rank "
+                             f"order, got ranks {[m.get('rank') for m in metas]} of world sizes "
+                             f"{sorted({m.get('world_size') for m in metas}, key=str)}")
+        epochs = sorted({int(s["epoch"]) for s in states})
+        if len(epochs) != 1:
+            raise ValueError(f"cannot re-shard the data position: the saved ranks are in different epochs {epochs}")
+        epoch = epochs[0]
+        here = self._meta()
+        diff = {k: (metas[0].get(k), here[k]) for k in ("train", "seed", "num_source_samples")
+                if metas[0].get(k) != here[k]}
+        if diff:
+            raise ValueError(f"cannot re-shard the data position: data loader settings changed (saved, now): {diff}")
+        self.close()
+        plan = self._producer.plan
+        mid_epoch = any(s["batches"] > 0 or s["pass"] > 0 for s in states)
+        total: Counter = Counter()
+        epoch_total: Counter = Counter()
+        for s in states:
+            total.update(s.get("stats", {}))
+            epoch_total.update(s.get("epoch_stats", {}))
+        if isinstance(plan, MapPlan):
+            plan.set_remainder(None)
+        self._epoch = epoch
+        self._reset_position()
+        self.stats = total if self.rank == 0 else Counter()
+        if not mid_epoch:
+            return
+        if not isinstance(plan, MapPlan):
+            raise ValueError(
+                f"cannot resume the streamed source {self.description} mid-epoch on {self.world_size} ranks "
+                f"(saved on {old_world} ranks, batch size {metas[0].get('batch_size')}): datasets splits a "
+                "stream by node and its position cannot be re-sharded; resume on the saved layout, or from a "
+                "checkpoint at an epoch boundary"
+            )
+        perm = plan.permutation(epoch)
+        read = []
+        for r, (s, m) in enumerate(zip(states, metas)):
+            old_rem = Remainder.from_dict(m.get("remainder"))
+            old = MapPlan(plan.source, Layout(True, int(m["batch_size"]), r, old_world, int(m["seed"])),
+                          old_rem if old_rem is not None and old_rem.epoch == epoch else None)
+            read.append(old.consumed(epoch, [int(w["pos"]) for w in s["workers"]], int(s["pass"])))
+            if old.remainder is not None and r == 0:  # what was read before that earlier elastic resume
+                read += [perm[: old.remainder.offset], np.asarray(old.remainder.exclude, dtype=np.int64)]
+        plan.set_remainder(remainder_after(perm, epoch, np.concatenate(read)))
+        self.epoch_stats = epoch_total if self.rank == 0 else Counter()
+        if plan.batches_in(epoch) == 0:  # too little left for one batch per rank: the epoch is over
+            self._finish_epoch()
 
     def all_rank_state_dicts(self) -> list[dict[str, Any]]:
         """Every rank's :meth:`state_dict` (a collective: call on all ranks)."""
@@ -473,7 +564,7 @@ class ClipLoader:
 
     def _run(self) -> Iterator[dict[str, Any]]:
         producer = self._producer
-        target = producer.plan.num_batches
+        target = producer.plan.batches_in(self._epoch)
         while True:
             producer.epoch = self._epoch
             producer.pass_index = self._pass

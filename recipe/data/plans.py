@@ -8,13 +8,15 @@
 * :class:`StreamPlan`: ``datasets`` shuffles a streamed source and splits it by node.
 * :class:`Cursor`: one worker's position-counting reader over its samples, which can start
   further laps (to replace bad samples or top up a short share).
+* :class:`Remainder`: the rest of one epoch after an elastic resume (another world size or batch
+  size): the epoch's permutation without the rows read before the resume, dealt to the new ranks.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -119,16 +121,100 @@ class Cursor:
         return raw, lap
 
 
-class MapPlan:
-    """How the rows of a map-style source are split over ranks, batches and workers."""
+@dataclass(frozen=True)
+class Remainder:
+    """The unread rest of training epoch ``epoch`` after an elastic resume.
 
-    def __init__(self, source: MapSource, layout: Layout):
+    The rows read before the resume are the first ``offset`` rows of the epoch's permutation plus
+    the rows in ``exclude`` (read ahead of that prefix, e.g. to replace bad samples); the rest of the
+    permutation, in its order, is what the ranks of the resumed run share (``rest[rank::world]``).
+    Without bad samples ``exclude`` is empty and ``offset`` is the samples consumed: steps in the
+    epoch x accumulation x micro-batch x world size of the saving run.
+    """
+
+    epoch: int
+    offset: int
+    exclude: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "offset": self.offset, "exclude": list(self.exclude)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Remainder | None:
+        if d is None:
+            return None
+        return cls(int(d["epoch"]), int(d["offset"]), tuple(int(x) for x in d.get("exclude", ())))
+
+
+class MapPlan:
+    """How the rows of a map-style source are split over ranks, batches and workers.
+
+    ``num_batches`` is the batches of a whole epoch; :meth:`batches_in` those of one epoch, which
+    differ only in the epoch a :class:`Remainder` (an elastic resume) covers.
+    """
+
+    def __init__(self, source: MapSource, layout: Layout, remainder: Remainder | None = None):
         self.source = source
         self.layout = layout
         self.num_batches = layout.num_batches(len(source), source.description)
+        self.remainder: Remainder | None = None
+        if remainder is not None:
+            self.set_remainder(remainder)
 
     def max_workers(self) -> int:
         return self.num_batches
+
+    # --- elastic resume: the rest of an epoch (see Remainder) ---------------------------------
+
+    def set_remainder(self, remainder: Remainder | None) -> None:
+        """Let ``remainder.epoch`` cover only its unread rows (None: every epoch whole).
+
+        Raises:
+            ValueError: An evaluation plan, or an offset/excluded row outside the data.
+        """
+        if remainder is not None:
+            n = len(self.source)
+            if not self.layout.train:
+                raise ValueError("an evaluation pass has no position to re-shard")
+            if not 0 <= remainder.offset <= n or any(not 0 <= x < n for x in remainder.exclude):
+                raise ValueError(f"remainder {remainder} does not fit {self.source.description} ({n} rows)")
+        self.remainder = remainder
+
+    def _covers(self, epoch: int) -> bool:
+        return self.remainder is not None and self.remainder.epoch == epoch
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Training: the epoch's order of all rows (the same for every world and batch size)."""
+        return np.random.default_rng([self.layout.seed, epoch]).permutation(len(self.source))
+
+    def epoch_rows(self, epoch: int) -> np.ndarray:
+        """The rows all ranks share in ``epoch``, in order: the permutation, or its unread rest."""
+        perm = self.permutation(epoch)
+        if not self._covers(epoch):
+            return perm
+        rest = perm[self.remainder.offset :]
+        if self.remainder.exclude:
+            rest = rest[~np.isin(rest, np.asarray(self.remainder.exclude, dtype=np.int64))]
+        return rest
+
+    def batches_in(self, epoch: int) -> int:
+        """Batches each rank makes in ``epoch`` (0 when a remainder is too short for one per rank)."""
+        if not self._covers(epoch):
+            return self.num_batches
+        return len(self.epoch_rows(epoch)) // self.layout.world_size // self.layout.batch_size
+
+    def consumed(self, epoch: int, positions: list[int], pass_index: int) -> np.ndarray:
+        """Rows this rank has read in ``epoch``, given each DataLoader worker's read position in pass
+        ``pass_index`` (a later pass has read the whole share; a position past a worker's sequence,
+        a second lap, has read all of it). Positions advance only with consumed batches, so rows of
+        prefetched batches are not counted."""
+        if pass_index > 0:
+            return self.share(epoch)
+        k = len(positions)
+        parts = [self.worker_sequence(epoch, w, k)[: max(0, pos)] for w, pos in enumerate(positions)]
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+
+    # ------------------------------------------------------------------------------------------
 
     def share(self, epoch: int) -> np.ndarray:
         """This rank's row indices for ``epoch``, in reading order."""
@@ -136,19 +222,18 @@ class MapPlan:
         if not lay.train:
             start, size = lay.eval_slice(len(self.source))
             return np.arange(start, start + size, dtype=np.int64)
-        perm = np.random.default_rng([lay.seed, epoch]).permutation(len(self.source))
-        return perm[lay.rank :: lay.world_size]
+        return self.epoch_rows(epoch)[lay.rank :: lay.world_size]
 
     def worker_blocks(self, epoch: int, w: int, k: int) -> list[np.ndarray]:
         """Worker ``w`` of ``k``: blocks (batches) ``w, w + k, ...`` of the share."""
         share = self.share(epoch)
         b = self.layout.batch_size
-        return [share[j * b : (j + 1) * b] for j in range(w, self.num_batches, k)]
+        return [share[j * b : (j + 1) * b] for j in range(w, self.batches_in(epoch), k)]
 
     def worker_sequence(self, epoch: int, w: int, k: int) -> np.ndarray:
         """Train: worker ``w``'s blocks followed by its part of the share's leftover tail."""
         share = self.share(epoch)
-        tail = share[self.num_batches * self.layout.batch_size :][w::k]
+        tail = share[self.batches_in(epoch) * self.layout.batch_size :][w::k]
         return np.concatenate([*self.worker_blocks(epoch, w, k), tail]).astype(np.int64)
 
     def cursor(self, epoch: int, w: int, k: int, start: int) -> tuple[Cursor, int]:
@@ -160,7 +245,16 @@ class MapPlan:
             for lo in range(offset, len(seq), chunk):
                 yield from self.source.rows(seq[lo : lo + chunk])
 
-        return Cursor(open_lap, len(seq), start), len(range(w, self.num_batches, k))
+        return Cursor(open_lap, len(seq), start), len(range(w, self.batches_in(epoch), k))
+
+
+def remainder_after(perm: np.ndarray, epoch: int, read: np.ndarray) -> Remainder:
+    """The :class:`Remainder` of ``epoch`` (permutation ``perm``) once the rows ``read`` are read:
+    the longest prefix of ``perm`` inside ``read`` as the offset, the other read rows excluded."""
+    seen = np.isin(perm, read)
+    offset = int(np.argmin(seen)) if not seen.all() else len(perm)
+    exclude = np.sort(perm[offset:][seen[offset:]])
+    return Remainder(epoch, offset, tuple(int(x) for x in exclude))
 
 
 class StreamPlan:
@@ -182,6 +276,10 @@ class StreamPlan:
     def max_workers(self) -> int:
         return self.rank_shards
 
+    def batches_in(self, epoch: int) -> int:
+        """Batches each rank makes in ``epoch`` (every epoch alike)."""
+        return self.num_batches
+
     def cursor(self, epoch: int, start: int) -> Cursor:
         """This rank's (or, in a DataLoader worker, that worker's) stream at position ``start``."""
         self.dataset.set_epoch(epoch)
@@ -193,4 +291,4 @@ class StreamPlan:
         return Cursor(open_lap, None, start)
 
 
-__all__ = ["Cursor", "Layout", "MapPlan", "StreamPlan"]
+__all__ = ["Cursor", "Layout", "MapPlan", "Remainder", "StreamPlan", "remainder_after"]

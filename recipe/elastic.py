@@ -1,0 +1,275 @@
+"""Elastic resume: a checkpoint saved on one number of ranks continued on another.
+
+What changes with the world size, and how it is carried over (:func:`load_resharded`):
+
+* **Model weights**: DeepSpeed's module state (``mp_rank_00_model_states.pt``) is the full module
+  under ZeRO 0-2; every rank loads it whatever the world size.
+* **Optimizer state, ZeRO-1/2**: SRAdamW's parameters are this rank's flat partition of each
+  group, so its per-element state (``exp_avg``, ``exp_avg_sq``, ``master``/``master_low``) and
+  DeepSpeed's own partition of the master weights are flat, partition-shaped tensors, one file per
+  saved rank. Each group's saved partitions are joined into the full flat group (the padding DeepSpeed
+  adds to the last partition dropped), and this rank's new partition is cut out of it exactly where
+  DeepSpeed's partitioning puts it (``rank * partition_size``, zero padding at the end). Per-tensor
+  scalars (``step``, the noise stream ``index``) and the ``sr`` entry (seed, skipped steps) must be the
+  same on every saved rank and are taken as they are. Every element keeps its value bit for bit (the
+  split master's high half is the bf16 weight, restored from the module state).
+* **ZeRO-0** (the fp16 route): not enabled yet (see below).
+* **Client state** (``rankNNNNN.pt``): the training counters of rank 0; each new rank takes the RNG
+  state of saved rank ``rank % saved_world``; the loss scaler (identical on every rank) of rank 0;
+  the data position of *every* saved rank (``client["data"]`` becomes that list), which
+  :meth:`recipe.data.loader.ClipLoader.load_state_dict` re-shards (see there).
+
+SRAdamW's rounding noise is keyed by (seed, rank, tensor index, step, stream, element index within
+the partition), so after re-sharding another rank draws the noise of an element: the continuation
+equals an uninterrupted run in distribution, not bit for bit.
+
+Not supported (a :class:`recipe.checkpoint.CheckpointError` naming the combination): ZeRO-3 (its
+partitions are per parameter and its module state is partitioned too); ZeRO-0, the fp16 route (its
+optimizer state is the full module's, written by rank 0 alone, so DeepSpeed would load it on any world
+size, but that path is untested, and under ZeRO-0 SRAdamW draws each rank's noise by its rank on a
+replicated tensor, so the saved replica is rank 0's); a change of ZeRO stage; fp16 state statistics
+with per-partition scales under ZeRO-1/2; DeepSpeed's ``round_robin_gradients`` (the flat order of a
+group then depends on the world size); a streamed (webdataset) data position mid-epoch
+(:meth:`recipe.data.loader.ClipLoader.load_state_dict`).
+
+DeepSpeed's universal checkpoint (``ds_to_universal`` + ``load_universal_checkpoint``) is not used:
+it converts the optimizer state it knows (``exp_avg``/``exp_avg_sq`` and DeepSpeed's fp32 master) and
+re-creates states as fp32, while this recipe's state holds bf16 statistics, an int16 master low half
+whose meaning depends on the bf16 weight, per-tensor steps and the SR seed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import COMPLETE, CheckpointError
+from .distributed import rank_world
+
+__all__ = ["full_flat_state", "load_resharded", "local_flat_state", "saved_world_size", "zero_files"]
+
+_ZERO_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
+_SCALAR_KEYS = ("step", "index")
+
+
+def saved_world_size(tag_dir: Path) -> int | None:
+    """The number of ranks that wrote the checkpoint (from its ``COMPLETE`` marker), or None."""
+    try:
+        meta = json.loads((Path(tag_dir) / COMPLETE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {Path(tag_dir) / COMPLETE}: {e}") from e
+    return meta.get("world_size")
+
+
+def zero_files(tag_dir: Path) -> dict[int, Path]:
+    """The ZeRO-1/2/3 optimizer files of a checkpoint by saving rank (empty under ZeRO-0)."""
+    found = {}
+    for p in Path(tag_dir).iterdir():
+        m = _ZERO_FILE.fullmatch(p.name)
+        if m:
+            found[int(m.group(1))] = p
+    return found
+
+
+def _unsupported(what: str, saved: int, world: int, why: str) -> CheckpointError:
+    return CheckpointError(f"resuming {what} saved on {saved} ranks on {world} ranks is not supported yet: {why}")
+
+
+def load_resharded(engine: Any, tag_dir: Path, saved_world: int) -> dict[str, Any]:
+    """Loads checkpoint ``tag_dir`` written by ``saved_world`` ranks into ``engine`` on this run's
+    world size (see the module docstring) and returns this rank's client state, with ``"data"`` the
+    list of every saved rank's data position and ``"resharded_from"`` the saved world size.
+
+    Raises:
+        CheckpointError: An unsupported combination (named), or missing/unreadable files.
+    """
+    rank, world = rank_world()
+    stage = int(engine.zero_optimization_stage())
+    files = zero_files(tag_dir)
+    label = f"a ZeRO-{stage} checkpoint"
+    if stage >= 3:
+        raise _unsupported(label, saved_world, world, "ZeRO-3 partitions every parameter (module weights included) "
+                           "per rank; re-sharding it is not implemented (ZeRO-1/2 is); resume on "
+                           f"{saved_world} ranks")
+    if stage == 0:
+        raise _unsupported(label + " (the fp16 route)", saved_world, world,
+                           "re-sharding is implemented and tested for ZeRO-1/2 only; resume on "
+                           f"{saved_world} ranks")
+    if sorted(files) != list(range(saved_world)):
+        raise CheckpointError(f"checkpoint {tag_dir} should hold ZeRO optimizer files of ranks 0..{saved_world - 1} "
+                              f"for this ZeRO-{stage} run, found ranks {sorted(files)}")
+    zo = engine.optimizer  # ZeRO-1/2 from here on
+    if getattr(zo, "round_robin_gradients", False):
+        raise _unsupported(label, saved_world, world, "zero_optimization.round_robin_gradients orders each "
+                           "group by the world size; turn it off")
+    saved = [_read(files[r]) for r in range(saved_world)]
+    saved_stage = int(saved[0].get("zero_stage", stage))
+    if saved_stage != stage:
+        raise _unsupported(f"a ZeRO-{saved_stage} checkpoint", saved_world, world,
+                           f"this run uses ZeRO-{stage}; resume with the saved ZeRO stage")
+    try:
+        # the full module; DeepSpeed then copies the weights into this rank's partitions
+        path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=False,
+                                         load_lr_scheduler_states=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint {tag_dir}: {type(e).__name__}: {e}") from e
+    if path is None:
+        raise CheckpointError(f"DeepSpeed found no checkpoint in {tag_dir}")
+    _load_zero12(zo, saved, label, saved_world, world)
+    return _client_state(tag_dir, rank, saved_world)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e
+
+
+def _client_state(tag_dir: Path, rank: int, saved_world: int) -> dict[str, Any]:
+    clients = []
+    for r in range(saved_world):
+        path = tag_dir / f"rank{r:05d}.pt"
+        try:
+            clients.append(torch.load(path, map_location="cpu", weights_only=False))
+        except Exception as e:
+            raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e
+    client = dict(clients[0])
+    client["rng"] = clients[rank % saved_world]["rng"]
+    client["data"] = [c["data"] for c in clients] if "data" in client else None
+    client["resharded_from"] = saved_world
+    return client
+
+
+# --------------------------------------------------------------------------------------------------
+# ZeRO-1/2: flat partitions of each group
+# --------------------------------------------------------------------------------------------------
+
+
+def _base_states(sd: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any] | None, list]:
+    """Per group the base optimizer's state of one saved rank (padded partitions), its ``sr`` entry
+    and its param groups. DeepSpeed saves either the optimizer's own state dict ("rigid", the
+    default) or, with ``elastic_checkpoint``, a list of per-group states without padding."""
+    base = sd["base_optimizer_state"]
+    if isinstance(base, dict):
+        ids = [g["params"][0] for g in base["param_groups"]]
+        return [base["state"].get(i, {}) for i in ids], base.get("sr"), base["param_groups"]
+    return list(base), None, []
+
+
+def _load_zero12(zo: Any, saved: list[dict[str, Any]], label: str, saved_world: int, world: int) -> None:
+    """Re-shards the saved partitions of every group into this rank's partition (module docstring)."""
+    opt = zo.optimizer
+    groups = len(opt.param_groups)
+    per_rank = [_base_states(sd) for sd in saved]
+    if any(len(states) != groups for states, _, _ in per_rank):
+        raise CheckpointError(f"the checkpoint has {len(per_rank[0][0])} optimizer groups, this run {groups}")
+    if any(sd.get("param_alignment_paddings", zo.round_robin_bit16_padding) != zo.round_robin_bit16_padding
+           for sd in saved):
+        raise _unsupported(label, saved_world, world, "the parameter alignment padding differs from this run's")
+    sr = per_rank[0][1]
+    if any(x[1] != sr for x in per_rank):
+        raise CheckpointError(f"the saved ranks disagree on the optimizer's seed and skipped steps: "
+                              f"{[x[1] for x in per_rank]}")
+    new_state: dict[int, dict[str, Any]] = {}
+    for i in range(groups):
+        numel = sum(p.numel() for p in zo.bit16_groups[i]) + sum(zo.round_robin_bit16_padding[i])
+        pid = torch.distributed.get_rank(group=zo.real_dp_process_group[i])
+        size, pad = int(zo.partition_size[i]), int(zo.groups_padding[i])
+        lo, hi = pid * size, pid * size + size - pad
+        name = opt.param_groups[i].get("name", i)
+        masters = [sd["single_partition_of_fp32_groups"][i] for sd in saved]  # saved without padding
+        full_master = torch.cat([m.reshape(-1) for m in masters])
+        if full_master.numel() != numel:
+            raise CheckpointError(f"optimizer group {name}: the checkpoint holds {full_master.numel()} elements, "
+                                  f"this run's group {numel}")
+        zo.single_partition_of_fp32_groups[i].data.copy_(_pad(full_master[lo:hi], size))
+        states = [x[0][i] for x in per_rank]
+        state: dict[str, Any] = {}
+        for key, value in states[0].items():
+            if not torch.is_tensor(value) or value.dim() == 0:
+                values = [s[key] for s in states]
+                if key.endswith("_bound"):
+                    raise _unsupported(label, saved_world, world, f"group {name} keeps fp16 statistics with a "
+                                       "scale per partition, which cannot be re-sharded exactly")
+                if any(not _same(v, value) for v in values):
+                    raise CheckpointError(f"optimizer group {name}: the saved ranks disagree on {key!r}: {values}")
+                state[key] = value.clone() if torch.is_tensor(value) else value
+                continue
+            # a saved rank's partition without its padding: as long as its master partition (saved unpadded)
+            full = torch.cat([s[key].reshape(-1)[: m.numel()] for s, m in zip(states, masters)])
+            if full.numel() != numel:
+                raise CheckpointError(f"optimizer group {name}: state {key!r} holds {full.numel()} elements in "
+                                      f"the checkpoint, this run's group {numel}")
+            state[key] = _pad(full[lo:hi], size)
+        if state:
+            new_state[i] = state
+    param_groups = per_rank[0][2] or [{**{k: v for k, v in g.items() if k != "params"}, "params": [i]}
+                                      for i, g in enumerate(opt.param_groups)]
+    sd = {"state": new_state, "param_groups": param_groups}
+    if sr is not None:
+        sd["sr"] = sr
+    opt.load_state_dict(sd)
+    if hasattr(zo, "_link_all_hp_params"):
+        zo._link_all_hp_params()
+
+
+def _pad(t: torch.Tensor, size: int) -> torch.Tensor:
+    out = torch.zeros(size, dtype=t.dtype)
+    out[: t.numel()] = t
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+# --------------------------------------------------------------------------------------------------
+# the full view (tests and checks): every group's state over all ranks, without padding
+# --------------------------------------------------------------------------------------------------
+
+
+def local_flat_state(engine: Any) -> list[dict[str, torch.Tensor]]:
+    """This rank's per-group view under ZeRO-1/2: the master partition (``"weight"``) and every
+    per-element SRAdamW state, without padding, plus the scalar states (as 0-dim tensors)."""
+    zo = engine.optimizer
+    opt = zo.optimizer
+    out = []
+    for i, g in enumerate(opt.param_groups):
+        p = g["params"][0]
+        keep = p.numel() - int(zo.groups_padding[i])
+        view = {"weight": p.detach().reshape(-1)[:keep].clone()}
+        for k, v in opt.state.get(p, {}).items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                view[k] = v.reshape(-1)[:keep].clone()
+            elif k in _SCALAR_KEYS:
+                view[k] = torch.as_tensor(v).clone()
+        out.append(view)
+    return out
+
+
+def full_flat_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Every group's full state over all ranks (a collective): per group name, ``"weight"`` and the
+    per-element states joined in rank order (padding dropped), the scalars as rank 0 has them, and
+    ``"sr"`` the optimizer's seed and skipped steps."""
+    local = local_flat_state(engine)
+    if torch.distributed.is_initialized():
+        every: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, local)
+    else:
+        every = [local]
+    opt = engine.optimizer.optimizer
+    out: dict[str, Any] = {}
+    for i, g in enumerate(opt.param_groups):
+        views = [e[i] for e in every]
+        out[g.get("name", str(i))] = {
+            k: (torch.cat([v[k] for v in views]) if views[0][k].dim() > 0 else views[0][k]) for k in views[0]
+        }
+    out["sr"] = {"seed": opt.seed, "skipped_steps": opt.skipped_steps}
+    return out

@@ -1,0 +1,255 @@
+"""Elastic resume (recipe/elastic.py): a checkpoint of one world size continued on another.
+
+* Data position: the union of what the new ranks read is exactly the unread rest of the epoch (by
+  sample ids), for 2 -> 1, 1 -> 2, 2 -> 3 ranks, batch-size changes and a chained re-shard.
+* ZeRO-2, bf16 halfmaster route, 2 -> 1 -> 2 ranks under the real DeepSpeed engine on CPU: the full
+  optimizer state (every element of every group: weights, bf16 statistics, int16 master halves, fp32
+  masters, per-tensor steps, noise indices, seed) is bit for bit the saved one after re-sharding; the
+  sample ids of the whole run cover each epoch exactly once; the loss stays within the stated
+  tolerance of the uninterrupted run (same global batch: 2 x 8 = 1 x 16).
+* Unsupported combinations raise a clear CheckpointError (ZeRO-3).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipe.data import build_train_loader
+
+from ..dist_utils import run_distributed
+from .data.helpers import IMAGE_CFG, cfg_for, tokenize
+from .test_train import ENV, ds_json, losses_of, train_cfg
+
+# --------------------------------------------------------------------------------------------------
+# data position (no DeepSpeed)
+# --------------------------------------------------------------------------------------------------
+
+
+def _loaders(path: str, world: int, batch: int, workers: int = 0, seed: int = 7) -> list:
+    cfg = cfg_for(path, None, workers=workers)
+    return [build_train_loader(cfg, tokenize, IMAGE_CFG, batch, r, world, seed) for r in range(world)]
+
+
+def _take(loaders: list, batches: int) -> list[str]:
+    keys = []
+    for loader in loaders:
+        it = iter(loader)
+        for _ in range(batches):
+            keys += next(it)["keys"]
+        loader.close()
+    return keys
+
+
+def _epoch_order(path: str, seed: int = 7) -> list[str]:
+    """The epoch-0 order of all sample keys (one rank, batch 1, reads the permutation in order)."""
+    (one,) = _loaders(path, 1, 1, seed=seed)
+    return [k for b in one for k in b["keys"]]
+
+
+@pytest.mark.parametrize("old,new", [((2, 3, 2), (1, 6, 0)), ((1, 4, 0), (2, 4, 2)), ((2, 3, 2), (3, 2, 0)),
+                                     ((2, 4, 0), (2, 3, 0))])
+def test_data_position_reshards_without_loss_or_repeat(data: Path, old: tuple, new: tuple) -> None:
+    """(world, batch, workers) before and after: the samples read after the resume are exactly the
+    epoch's permutation after the first (steps x world x batch) samples, up to the last partial
+    global batch, and the next epoch is whole."""
+    path = str(data / "train.csv")
+    (w0, b0, k0), (w1, b1, k1) = old, new
+    order = _epoch_order(path)
+    before = _loaders(path, w0, b0, k0)
+    seen = _take(before, 2)
+    consumed = 2 * w0 * b0
+    assert sorted(seen) == sorted(order[:consumed])  # the position is a prefix of the global order
+    states = [loader.state_dict() for loader in before]
+    after = _loaders(path, w1, b1, k1)
+    rest = []
+    for loader in after:
+        loader.load_state_dict(states)
+        got = [k for b in loader for k in b["keys"]]
+        assert len(got) == (len(order) - consumed) // w1 // b1 * b1  # every rank makes the same batches
+        rest += got
+    usable = (len(order) - consumed) // (w1 * b1) * (w1 * b1)
+    assert sorted(rest) == sorted(order[consumed : consumed + usable])
+    assert not set(rest) & set(seen)
+    assert all(loader.epoch == 1 for loader in after)
+    whole = [k for loader in after for b in loader for k in b["keys"]]  # epoch 1: the full layout again
+    assert len(whole) == len(set(whole)) == len(order) // (w1 * b1) * (w1 * b1)
+
+
+def test_chained_reshard_and_same_world_resume_of_a_remainder(data: Path) -> None:
+    path = str(data / "train.csv")
+    order = _epoch_order(path)
+    a = _loaders(path, 2, 3)
+    seen = _take(a, 2)  # 12
+    b = _loaders(path, 3, 2)
+    for loader in b:
+        loader.load_state_dict([x.state_dict() for x in a])
+    seen += _take(b, 1)  # 6 more
+    # same world, mid-remainder: the plain per-rank restore keeps the remainder layout
+    b_states = [x.state_dict() for x in b]
+    assert b_states[0]["meta"]["remainder"] == {"epoch": 0, "offset": 12, "exclude": []}
+    c = _loaders(path, 3, 2)
+    for r, loader in enumerate(c):
+        loader.load_state_dict(b_states[r])
+    seen += _take(c, 1)  # 6 more
+    assert sorted(seen) == sorted(order[:24])
+    d = _loaders(path, 1, 5)
+    d[0].load_state_dict([x.state_dict() for x in c])
+    rest = [k for batch in d[0] for k in batch["keys"]]
+    assert sorted(rest) == sorted(order[24 : 24 + (64 - 24) // 5 * 5])
+
+
+def test_reshard_rejects_other_seed_or_data(data: Path) -> None:
+    path = str(data / "train.csv")
+    a = _loaders(path, 2, 4)
+    _take(a, 1)
+    states = [x.state_dict() for x in a]
+    (other,) = _loaders(path, 1, 4, seed=8)
+    with pytest.raises(ValueError, match="seed"):
+        other.load_state_dict(states)
+    with pytest.raises(ValueError, match="one state per saved rank"):
+        _loaders(path, 1, 4)[0].load_state_dict(states[1:])
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSpeed, ZeRO-2 bf16 halfmaster: 2 -> 1 -> 2 ranks
+# --------------------------------------------------------------------------------------------------
+
+
+def _elastic_worker(rank: int, world: int, cfgs: list[dict]) -> dict:
+    import recipe.train as T
+    from recipe import elastic
+    from recipe.config import config_from_dict
+
+    record: dict = {"keys": [], "saved": {}, "restored": None, "errors": []}
+    save, restore, forever = T.save, T.restore, T._forever
+
+    def saving(engine, run_dir, state, *a, **k):
+        out = save(engine, run_dir, state, *a, **k)
+        if engine.zero_optimization_stage() in (1, 2):
+            record["saved"][state.step] = elastic.full_flat_state(engine)
+        return out
+
+    def restoring(engine, *a, **k):
+        state = restore(engine, *a, **k)
+        if engine.zero_optimization_stage() in (1, 2):
+            record["restored"] = elastic.full_flat_state(engine)
+        return state
+
+    def reading(loader):
+        for batch in forever(loader):
+            record["keys"].append(list(batch["keys"]))  # one batch per step (no accumulation)
+            yield batch
+
+    T.save, T.restore, T._forever = saving, restoring, reading
+    for cfg in cfgs:
+        try:
+            T.train(config_from_dict(cfg))
+        except Exception as e:  # noqa: BLE001 - the expected CheckpointError of unsupported combinations
+            record["errors"].append(f"{type(e).__name__}: {e}")
+    return record
+
+
+def _equal_states(a: dict, b: dict) -> list[str]:
+    bad = []
+    assert a.keys() == b.keys()
+    for g in a:
+        if g == "sr":
+            if a[g] != b[g]:
+                bad.append(f"sr {a[g]} {b[g]}")
+            continue
+        assert a[g].keys() == b[g].keys(), (g, a[g].keys(), b[g].keys())
+        for k in a[g]:
+            x, y = a[g][k], b[g][k]
+            same_bits = x.dim() == 0 and torch.equal(x, y) or (
+                x.dim() > 0 and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)))
+            if x.dtype != y.dtype or x.shape != y.shape or not same_bits:
+                bad.append(f"{g}.{k}")
+    return bad
+
+
+#: The stated tolerance of the loss continuation: |resumed - uninterrupted| / uninterrupted per step,
+#: over the 4 steps after each re-shard at the same global batch (measured: 0 at the first step, whose
+#: weights are restored exactly, then <= 3.1e-4 from the rounding noise other ranks draw).
+LOSS_RTOL = 5e-3
+
+
+@pytest.mark.parametrize("name", ["zero2_bf16_halfmaster.json",
+                                  pytest.param("zero1_bf16_halfmaster.json", marks=pytest.mark.slow)])
+def test_zero12_bf16_two_to_one_to_two_ranks(name: str, data: Path, tmp_path: Path) -> None:
+    ds8 = ds_json(tmp_path, name, micro=8)
+    (tmp_path / "m16").mkdir()
+    ds16 = ds_json(tmp_path / "m16", name, micro=16)
+
+    def cfg(out: str, ds: str, **kw: object) -> dict:
+        c = train_cfg(data, tmp_path / out, ds, **kw)
+        c["data"]["val_data"] = ""  # no evaluation: the loss is the measure here
+        return c
+
+    full = cfg("full", ds8, steps=8, save_every=3)
+    a = run_distributed(_elastic_worker, 2, [full], init_process_group=False, env=ENV, timeout_s=900)
+    # 2 -> 1 (global batch 16 both), from step 3: mid-epoch 0 (4 steps an epoch)
+    one = cfg("one", ds16, steps=6, save_every=100, resume=str(tmp_path / "full" / "checkpoints" / "step00000003"))
+    (b,) = run_distributed(_elastic_worker, 1, [one], init_process_group=False, env=ENV, timeout_s=900)
+    # 1 -> 2 from step 6 (mid-epoch 1)
+    two = cfg("two", ds8, steps=8, resume=str(tmp_path / "one" / "checkpoints" / "step00000006"))
+    c = run_distributed(_elastic_worker, 2, [two], init_process_group=False, env=ENV, timeout_s=900)
+    assert not b["errors"] and not c[0]["errors"], (b["errors"], c[0]["errors"])
+
+    # the optimizer state, element for element, is the saved one
+    assert not _equal_states(a[0]["saved"][3], b["restored"])
+    assert not _equal_states(b["saved"][6], c[0]["restored"])
+    assert a[0]["saved"][3]["sr"]["seed"] == b["restored"]["sr"]["seed"]
+
+    # sample ids: epoch 0 = steps 1-3 on 2 ranks + step 4 on 1 rank; epoch 1 = steps 5-6 + 7-8
+    def ids(records, steps):
+        return [k for rec in records for i, keys in enumerate(rec["keys"]) if i in steps for k in keys]
+
+    epoch0 = ids(a, range(3)) + ids([b], range(1))
+    epoch1 = ids([b], range(1, 3)) + ids(c, range(2))
+    assert len(epoch0) == len(set(epoch0)) == 64 and len(epoch1) == len(set(epoch1)) == 64
+    ref0 = ids(a, range(4))
+    assert sorted(epoch0) == sorted(ref0)  # the same samples as the uninterrupted run's epoch
+    assert sorted(ids([b], range(1))) == sorted(ids(a, range(3, 4)))  # step 4: the same global batch
+
+    ref, got_b, got_c = losses_of(tmp_path / "full"), losses_of(tmp_path / "one"), losses_of(tmp_path / "two")
+    assert sorted(got_b) == [4, 5, 6] and sorted(got_c) == [7, 8]
+    diffs = {s: abs(v - ref[s]) / ref[s] for s, v in {**got_b, **got_c}.items()}
+    print("elastic loss continuation (step: uninterrupted, resumed, rel diff):",
+          {s: (ref[s], {**got_b, **got_c}[s], round(d, 5)) for s, d in diffs.items()})
+    assert max(diffs.values()) <= LOSS_RTOL, diffs
+    (tmp_path / "diffs.json").write_text(json.dumps(diffs))
+
+
+# --------------------------------------------------------------------------------------------------
+# unsupported combinations: a clear error before anything is loaded
+# --------------------------------------------------------------------------------------------------
+
+
+class _Engine:
+    """A stand-in engine of a given ZeRO stage whose loading must not be reached."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def load_checkpoint(self, *a: object, **k: object) -> None:
+        raise AssertionError("an unsupported combination must fail before loading anything")
+
+
+@pytest.mark.parametrize("stage,what", [(3, "ZeRO-3 checkpoint"), (0, "ZeRO-0 checkpoint (the fp16 route)")])
+def test_unsupported_combinations_are_named(tmp_path: Path, stage: int, what: str) -> None:
+    from recipe import checkpoint
+    from recipe.checkpoint import CheckpointError
+
+    tag = tmp_path / "checkpoints" / "step00000004"
+    tag.mkdir(parents=True)
+    (tag / checkpoint.COMPLETE).write_text('{"step": 4, "world_size": 2}')  # this process: 1 rank
+    with pytest.raises(CheckpointError, match=re.escape(f"resuming a {what} saved on 2 ranks on 1 ranks is not supported yet")):
+        checkpoint.load(_Engine(stage), tag)
