@@ -220,7 +220,7 @@ class RecipeRunner(Runner):
         self.name = f"recipe-{loss_mode}"
         self.accumulation, self.contrastive_batch = accumulation, contrastive_batch
         self.description = (
-            f"recipe {preset}, DeepSpeed {self.arm.precision.label} (SR text, fp32-master image), ClipLoss {loss_mode}"
+            f"recipe {preset}, DeepSpeed {self.arm.precision.label} (SR text, exact-master image), ClipLoss {loss_mode}"
         )
         if accumulation > 1:
             self.description += f", {accumulation} micro-batches per step, contrastive batch {contrastive_batch}"
