@@ -22,6 +22,8 @@
 # Opt-in (named only):
 #   compile 150 s  bench_train with --compile (issue 16)
 #   accum   120 s  bench_train, recipe at accumulation 4 (the embedding cache's cost, issue 14)
+#   verify   90 s  bash launch.sh verify on this GPU: fused loss and Triton optimizer kernel vs their
+#                  references, NCCL all-gather/reduce-scatter, free memory vs recipe.plan (issue 18)
 #
 # A missing competitor package (open_clip, torchao, optimi) is reported by its benchmark, not fatal.
 # Results: ONE folder, $OUT/gpu_<UTC date>_<host>/ when $OUT is set (the device tool), else
@@ -38,7 +40,7 @@ cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
 
-ALL_STEPS=(optim loss train memory tests compile accum)
+ALL_STEPS=(optim loss train memory tests compile accum verify)
 DEFAULT_STEPS=(optim loss train memory tests)
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
   sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
@@ -115,6 +117,8 @@ step compile 150 bench_train_compile.md "train step with --compile (issue 16, op
 step accum 120 bench_train_accum.md "train step at accumulation 4 (issue 14, opt-in)" \
   "$PY" benchmarks/bench_train.py --device cuda --batch 512 --fit none --ckpt off --loss-modes fused --no-baseline \
   --accumulation 4 --steps 5 --warmup 2 --json "$RES/bench_train_accum.json"
+step verify 90 verify.log "preflight on this GPU (issue 18, opt-in)" \
+  env NUM_GPUS=1 bash launch.sh verify --preset ViT-B-32 --loss-mode fused --micro-batch 512 --world-size 1
 step goals 10 goals.log "GOALS" "$PY" benchmarks/gpu_goals.py goals "$RES"
 echo "gpu_check: $failed step(s) failed; time limits of the steps run: $total s; results in $RES" | tee -a "$log"
 exit "$failed"
