@@ -30,7 +30,9 @@ __all__ = [
     "LOSS_MODE_NAMES",
     "CONTRASTIVE_BATCH_NAMES",
     "SCHEDULES",
+    "add_field_flags",
     "build_parser",
+    "check_field_bounds",
     "config_from_dict",
     "parse_args",
 ]
@@ -393,7 +395,7 @@ def _default_text(f: dataclasses.Field) -> str:
     value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
     if isinstance(value, tuple):
         return " ".join(str(v) for v in value)
-    return "unset" if value is None else str(value)
+    return "unset" if value is None else (str(value) or "none")
 
 
 def _help_text(f: dataclasses.Field) -> str:
@@ -412,6 +414,37 @@ def _optional(tp: type) -> Any:
     return convert
 
 
+def add_field_flags(target: Any, cls: type, dest_prefix: str = "", aliases: dict[str, list[str]] | None = None) -> None:
+    """Adds one flag per leaf field of dataclass ``cls`` to an argparse parser or group, with the field's
+    help text and default (the one generator of ``recipe.train``'s, ``recipe.plan``'s and
+    ``recipe.verify``'s command lines). Absent flags are left out of the namespace
+    (``argparse.SUPPRESS``), so defaults and ``--config`` values stay; ``dest_prefix`` names a section
+    (``model.embed_dim``); ``aliases`` adds further spellings of a field's flag."""
+    for f, hint in _leaves(cls):
+        tp, optional = _unwrap(hint)
+        kw: dict[str, Any] = {
+            "dest": f"{dest_prefix}.{f.name}" if dest_prefix else f.name,
+            "default": argparse.SUPPRESS,
+            "help": f"{_help_text(f)} (default: {_default_text(f)})",
+        }
+        if tp is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(tp) is tuple:
+            elem = typing.get_args(tp)[0]
+            kw.update(nargs=len(typing.get_args(tp)), type=elem, metavar=elem.__name__.upper())
+        else:
+            kw.update(type=_optional(tp) if optional else tp, metavar=f.name.upper())
+        target.add_argument(_flag(f.name), *(aliases or {}).get(f.name, []), **kw)
+
+
+def check_field_bounds(obj: Any) -> None:
+    """``ValueError`` naming the first field of dataclass instance ``obj`` outside its declared range
+    (``option(..., ge=..., lt=...)``)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        _check_bounds(f, hints[f.name], getattr(obj, f.name))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per leaf field, with the field's help text and default; plus ``--config``."""
     ap = argparse.ArgumentParser(
@@ -421,28 +454,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     seen: dict[str, str] = {}
     for section, cls in _sections().items():
-        group = ap.add_argument_group(section or "run", (cls.__doc__ or "").strip().splitlines()[0])
-        for f, hint in _leaves(cls):
+        for f, _ in _leaves(cls):
             if f.name in seen:
                 raise TypeError(
                     f"config field {f.name!r} appears in both {seen[f.name]} and {section}: flags must be unique"
                 )
             seen[f.name] = section or "run"
-            tp, optional = _unwrap(hint)
-            flags = [_flag(f.name)] + (["--deepspeed_config"] if f.name == "deepspeed_config" else [])
-            kw: dict[str, Any] = {
-                "dest": f"{section}.{f.name}" if section else f.name,
-                "default": argparse.SUPPRESS,  # absent flags leave --config values (and defaults) alone
-                "help": f"{_help_text(f)} (default: {_default_text(f)})",
-            }
-            if tp is bool:
-                kw["action"] = argparse.BooleanOptionalAction
-            elif typing.get_origin(tp) is tuple:
-                elem = typing.get_args(tp)[0]
-                kw.update(nargs=len(typing.get_args(tp)), type=elem, metavar=elem.__name__.upper())
-            else:
-                kw.update(type=_optional(tp) if optional else tp, metavar=f.name.upper())
-            group.add_argument(*flags, **kw)
+        group = ap.add_argument_group(section or "run", (cls.__doc__ or "").strip().splitlines()[0])
+        add_field_flags(group, cls, section or "", {"deepspeed_config": ["--deepspeed_config"]})
     ap.add_argument(
         "--config", default=None, help="JSON file of a TrainConfig (e.g. a run's config.json); flags override it"
     )

@@ -7,22 +7,15 @@ Every field of :class:`PlanConfig` is a flag whose help and default come from th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-import typing
 from dataclasses import dataclass
-from typing import Any
 
 from recipe.config import (
     CONTRASTIVE_BATCH_NAMES,
     LOSS_MODE_NAMES,
-    _check_bounds,
-    _default_text,
-    _flag,
-    _help_text,
-    _optional,
-    _unwrap,
+    add_field_flags,
+    check_field_bounds,
     option,
     preset_names,
     text_tower_names,
@@ -70,12 +63,10 @@ class PlanConfig:
     json: bool = option(False, "print the plan as JSON instead of the table")
 
     def validate(self) -> None:
-        hints = typing.get_type_hints(PlanConfig)
-        for f in dataclasses.fields(self):
-            try:
-                _check_bounds(f, hints[f.name], getattr(self, f.name))
-            except ValueError as e:
-                raise PlanError(str(e)) from e
+        try:
+            check_field_bounds(self)
+        except ValueError as e:
+            raise PlanError(str(e)) from e
         if self.grad_checkpointing not in ("auto", "on", "off"):
             raise PlanError(f"grad_checkpointing must be auto, on or off, got {self.grad_checkpointing!r}")
         if self.loss_mode not in LOSS_MODE_NAMES:
@@ -97,16 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(see README.md, 'Planning a run').",
         allow_abbrev=False,
     )
-    hints = typing.get_type_hints(PlanConfig)
-    for f in dataclasses.fields(PlanConfig):
-        tp, optional = _unwrap(hints[f.name])
-        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
-                              "help": f"{_help_text(f)} (default: {_default_text(f)})"}
-        if tp is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw.update(type=_optional(tp) if optional else tp, metavar=f.name.upper())
-        ap.add_argument(_flag(f.name), **kw)
+    add_field_flags(ap, PlanConfig)
     return ap
 
 

@@ -15,7 +15,6 @@ import os
 import sys
 import time
 import traceback
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +24,8 @@ from recipe.config import (
     CONTRASTIVE_BATCH_NAMES,
     LOSS_MODE_NAMES,
     LOSS_NAMES,
-    _check_bounds,
-    _default_text,
-    _flag,
-    _help_text,
-    _optional,
-    _unwrap,
+    add_field_flags,
+    check_field_bounds,
     option,
     preset_names,
     text_tower_names,
@@ -91,12 +86,10 @@ class VerifyConfig:
     json: bool = option(False, "print the results as JSON instead of the table")
 
     def validate(self) -> None:
-        hints = typing.get_type_hints(VerifyConfig)
-        for f in dataclasses.fields(self):
-            try:
-                _check_bounds(f, hints[f.name], getattr(self, f.name))
-            except ValueError as e:
-                raise VerifyError(str(e)) from e
+        try:
+            check_field_bounds(self)
+        except ValueError as e:
+            raise VerifyError(str(e)) from e
         for name, value, allowed in (("loss", self.loss, LOSS_NAMES), ("loss_mode", self.loss_mode, LOSS_MODE_NAMES),
                                      ("contrastive_batch", self.contrastive_batch, CONTRASTIVE_BATCH_NAMES)):
             if value not in allowed:
@@ -133,16 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "Launch it like the run: bash launch.sh verify [flags].",
         allow_abbrev=False,
     )
-    hints = typing.get_type_hints(VerifyConfig)
-    for f in dataclasses.fields(VerifyConfig):
-        tp, optional = _unwrap(hints[f.name])
-        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
-                              "help": f"{_help_text(f)} (default: {_default_text(f) or 'none'})"}
-        if tp is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw.update(type=_optional(tp) if optional else tp, metavar=f.name.upper())
-        ap.add_argument(_flag(f.name), **kw)
+    add_field_flags(ap, VerifyConfig)
     return ap
 
 
