@@ -46,7 +46,7 @@ from .distributed import barrier, broadcast_from_rank0, collective_device, max_o
 
 __all__ = [
     "CheckpointError", "save", "load", "resolve", "complete_checkpoints", "rng_state", "set_rng_state",
-    "atomic_write_bytes",
+    "atomic_write_bytes", "load_engine_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -272,16 +272,24 @@ def load(engine: Any, tag_dir: str | os.PathLike) -> dict[str, Any]:
         except Exception as e:
             raise CheckpointError(f"checkpoint {tag_dir} was written by {meta['world_size']} ranks, this run has "
                                   f"{world}, and re-sharding it failed: {type(e).__name__}: {e}") from e
-    rank_file = tag_dir / f"rank{rank_world()[0]:05d}.pt"
+    load_engine_state(engine, tag_dir)
+    try:
+        return torch.load(tag_dir / f"rank{rank_world()[0]:05d}.pt", map_location="cpu", weights_only=False)
+    except Exception as e:  # unreadable or truncated files
+        raise CheckpointError(f"cannot read checkpoint {tag_dir}: {type(e).__name__}: {e}") from e
+
+
+def load_engine_state(engine: Any, tag_dir: Path, optimizer_states: bool = True) -> None:
+    """DeepSpeed's part of checkpoint ``tag_dir`` into ``engine`` (module, scheduler and, unless
+    ``optimizer_states`` is False, optimizer); ``CheckpointError`` naming the directory when a file is
+    unreadable or DeepSpeed finds nothing there."""
     try:
         path, _ = engine.load_checkpoint(
-            str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=optimizer_states, load_lr_scheduler_states=True
         )
-        client = torch.load(rank_file, map_location="cpu", weights_only=False)
     except CheckpointError:
         raise
     except Exception as e:  # unreadable or truncated files
         raise CheckpointError(f"cannot read checkpoint {tag_dir}: {type(e).__name__}: {e}") from e
     if path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint in {tag_dir}")
-    return client

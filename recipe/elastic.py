@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import COMPLETE, CheckpointError
+from .checkpoint import COMPLETE, CheckpointError, load_engine_state
 from .distributed import rank_world
 
 __all__ = ["full_flat_state", "load_resharded", "local_flat_state", "saved_world_size", "zero_files"]
@@ -117,14 +117,8 @@ def load_resharded(engine: Any, tag_dir: Path, saved_world: int) -> dict[str, An
     if saved_stage != stage:
         raise _unsupported(f"a ZeRO-{saved_stage} checkpoint", saved_world, world,
                            f"this run uses ZeRO-{stage}; resume with the saved ZeRO stage")
-    try:
-        # the full module; DeepSpeed then copies the weights into this rank's partitions
-        path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=False,
-                                         load_lr_scheduler_states=True)
-    except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint {tag_dir}: {type(e).__name__}: {e}") from e
-    if path is None:
-        raise CheckpointError(f"DeepSpeed found no checkpoint in {tag_dir}")
+    # the full module; DeepSpeed then copies the weights into this rank's partitions
+    load_engine_state(engine, tag_dir, optimizer_states=False)
     _load_zero12(zo, saved, label, saved_world, world)
     return _client_state(tag_dir, rank, saved_world)
 
@@ -137,13 +131,7 @@ def _load_zero0(engine: Any, tag_dir: Path, files: dict[int, Path], rank: int, s
     if files:
         raise _unsupported(f"a ZeRO-1/2/3 checkpoint (ZeRO optimizer files of ranks {sorted(files)})", saved_world,
                            world, "this run uses ZeRO-0; resume with the saved ZeRO stage")
-    try:
-        path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True,
-                                         load_lr_scheduler_states=True)
-    except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint {tag_dir}: {type(e).__name__}: {e}") from e
-    if path is None:
-        raise CheckpointError(f"DeepSpeed found no checkpoint in {tag_dir}")
+    load_engine_state(engine, tag_dir)
     return _client_state(tag_dir, rank, saved_world)
 
 

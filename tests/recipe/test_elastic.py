@@ -192,33 +192,16 @@ def _bit_differences(a: object, b: object, where: str = "") -> list[str]:
     return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
 
-def _equal_states(a: dict, b: dict) -> list[str]:
-    bad = []
-    assert a.keys() == b.keys()
-    for g in a:
-        if g == "sr":
-            if a[g] != b[g]:
-                bad.append(f"sr {a[g]} {b[g]}")
-            continue
-        assert a[g].keys() == b[g].keys(), (g, a[g].keys(), b[g].keys())
-        for k in a[g]:
-            x, y = a[g][k], b[g][k]
-            same_bits = x.dim() == 0 and torch.equal(x, y) or (
-                x.dim() > 0 and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)))
-            if x.dtype != y.dtype or x.shape != y.shape or not same_bits:
-                bad.append(f"{g}.{k}")
-    return bad
-
-
 #: The stated tolerance of the loss continuation: |resumed - uninterrupted| / uninterrupted per step,
 #: over the 4 steps after each re-shard at the same global batch (measured: 0 at the first step, whose
 #: weights are restored exactly, then <= 3.1e-4 from the rounding noise other ranks draw).
 LOSS_RTOL = 5e-3
 
 
-@pytest.mark.parametrize("name", ["zero2_bf16_halfmaster.json",
-                                  pytest.param("zero1_bf16_halfmaster.json", marks=pytest.mark.slow)])
-def test_zero12_bf16_two_to_one_to_two_ranks(name: str, data: Path, tmp_path: Path) -> None:
+def _two_to_one_to_two(name: str, data: Path, tmp_path: Path) -> tuple[list, dict, list]:
+    """An uninterrupted 2-rank run of 8 steps (micro-batch 8, saves every 3), its step-3 checkpoint
+    resumed on 1 rank (micro-batch 16: the same global batch) to step 6, that run's step-6 checkpoint
+    resumed on 2 ranks to step 8: the workers' records ``(full ranks, one rank, two ranks)``."""
     ds8 = ds_json(tmp_path, name, micro=8)
     (tmp_path / "m16").mkdir()
     ds16 = ds_json(tmp_path / "m16", name, micro=16)
@@ -236,31 +219,50 @@ def test_zero12_bf16_two_to_one_to_two_ranks(name: str, data: Path, tmp_path: Pa
     # 1 -> 2 from step 6 (mid-epoch 1)
     two = cfg("two", ds8, steps=8, resume=str(tmp_path / "one" / "checkpoints" / "step00000006"))
     c = run_distributed(_elastic_worker, 2, [two], init_process_group=False, env=ENV, timeout_s=900)
-    assert not b["errors"] and not c[0]["errors"], (b["errors"], c[0]["errors"])
+    assert not a[0]["errors"] and not b["errors"] and not c[0]["errors"], (a[0]["errors"], b["errors"], c[0]["errors"])
+    return a, b, c
 
-    # the optimizer state, element for element, is the saved one
-    assert not _equal_states(a[0]["saved"][3], b["restored"])
-    assert not _equal_states(b["saved"][6], c[0]["restored"])
-    assert a[0]["saved"][3]["sr"]["seed"] == b["restored"]["sr"]["seed"]
 
-    # sample ids: epoch 0 = steps 1-3 on 2 ranks + step 4 on 1 rank; epoch 1 = steps 5-6 + 7-8
+def _assert_each_sample_once(a: list, b: dict, c: list) -> None:
+    """Sample ids of :func:`_two_to_one_to_two`: epoch 0 = steps 1-3 on 2 ranks + step 4 on 1 rank,
+    epoch 1 = steps 5-6 + 7-8; each epoch reads its 64 samples once, epoch 0 the uninterrupted run's."""
+
     def ids(records, steps):
         return [k for rec in records for i, keys in enumerate(rec["keys"]) if i in steps for k in keys]
 
     epoch0 = ids(a, range(3)) + ids([b], range(1))
     epoch1 = ids([b], range(1, 3)) + ids(c, range(2))
     assert len(epoch0) == len(set(epoch0)) == 64 and len(epoch1) == len(set(epoch1)) == 64
-    ref0 = ids(a, range(4))
-    assert sorted(epoch0) == sorted(ref0)  # the same samples as the uninterrupted run's epoch
+    assert sorted(epoch0) == sorted(ids(a, range(4)))  # the same samples as the uninterrupted run's epoch
     assert sorted(ids([b], range(1))) == sorted(ids(a, range(3, 4)))  # step 4: the same global batch
 
+
+def _loss_diffs(tmp_path: Path, what: str) -> dict[int, float]:
+    """|resumed - uninterrupted| / uninterrupted per step of :func:`_two_to_one_to_two` (printed and
+    written to diffs.json)."""
     ref, got_b, got_c = losses_of(tmp_path / "full"), losses_of(tmp_path / "one"), losses_of(tmp_path / "two")
     assert sorted(got_b) == [4, 5, 6] and sorted(got_c) == [7, 8]
-    diffs = {s: abs(v - ref[s]) / ref[s] for s, v in {**got_b, **got_c}.items()}
-    print("elastic loss continuation (step: uninterrupted, resumed, rel diff):",
-          {s: (ref[s], {**got_b, **got_c}[s], round(d, 5)) for s, d in diffs.items()})
-    assert max(diffs.values()) <= LOSS_RTOL, diffs
+    got = {**got_b, **got_c}
+    diffs = {s: abs(v - ref[s]) / ref[s] for s, v in got.items()}
+    print(f"{what} elastic loss continuation (step: uninterrupted, resumed, rel diff):",
+          {s: (ref[s], got[s], d) for s, d in diffs.items()})
     (tmp_path / "diffs.json").write_text(json.dumps(diffs))
+    return diffs
+
+
+@pytest.mark.parametrize("name", ["zero2_bf16_halfmaster.json",
+                                  pytest.param("zero1_bf16_halfmaster.json", marks=pytest.mark.slow)])
+def test_zero12_bf16_two_to_one_to_two_ranks(name: str, data: Path, tmp_path: Path) -> None:
+    a, b, c = _two_to_one_to_two(name, data, tmp_path)
+
+    # the optimizer state, element for element, is the saved one
+    assert not _bit_differences(a[0]["saved"][3], b["restored"])
+    assert not _bit_differences(b["saved"][6], c[0]["restored"])
+    assert a[0]["saved"][3]["sr"]["seed"] == b["restored"]["sr"]["seed"]
+
+    _assert_each_sample_once(a, b, c)
+    diffs = _loss_diffs(tmp_path, "zero1/2 bf16")
+    assert max(diffs.values()) <= LOSS_RTOL, diffs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -283,23 +285,7 @@ def test_zero0_fp16_two_to_one_to_two_ranks(data: Path, tmp_path: Path) -> None:
     them, so the saved state is the whole state: after 2 -> 1 and 1 -> 2 ranks SRAdamW's state dict
     (fp16 statistics with their bounds, the image tower's fp32 master, per-tensor steps and noise
     indices, seed, skipped steps), the module and the loss scaler are bit for bit the saved ones."""
-    name = "zero0_fp16_sr_lossscale.json"
-    ds8 = ds_json(tmp_path, name, micro=8)
-    (tmp_path / "m16").mkdir()
-    ds16 = ds_json(tmp_path / "m16", name, micro=16)
-
-    def cfg(out: str, ds: str, **kw: object) -> dict:
-        c = train_cfg(data, tmp_path / out, ds, **kw)
-        c["data"]["val_data"] = ""
-        return c
-
-    full = cfg("full", ds8, steps=8, save_every=3)
-    a = run_distributed(_elastic_worker, 2, [full], init_process_group=False, env=ENV, timeout_s=900)
-    one = cfg("one", ds16, steps=6, save_every=100, resume=str(tmp_path / "full" / "checkpoints" / "step00000003"))
-    (b,) = run_distributed(_elastic_worker, 1, [one], init_process_group=False, env=ENV, timeout_s=900)
-    two = cfg("two", ds8, steps=8, resume=str(tmp_path / "one" / "checkpoints" / "step00000006"))
-    c = run_distributed(_elastic_worker, 2, [two], init_process_group=False, env=ENV, timeout_s=900)
-    assert not a[0]["errors"] and not b["errors"] and not c[0]["errors"], (a[0]["errors"], b["errors"], c[0]["errors"])
+    a, b, c = _two_to_one_to_two("zero0_fp16_sr_lossscale.json", data, tmp_path)
 
     # the replicas are identical, and the restored state is bit for bit the saved one on every rank
     assert not _bit_differences(a[0]["saved"][3], a[1]["saved"][3])
@@ -312,22 +298,8 @@ def test_zero0_fp16_two_to_one_to_two_ranks(data: Path, tmp_path: Path) -> None:
     assert not _bit_differences(saved, b["restored"])
     assert not _bit_differences(b["saved"][6], c[0]["restored"]) and not _bit_differences(b["saved"][6], c[1]["restored"])
 
-    def ids(records, steps):
-        return [k for rec in records for i, keys in enumerate(rec["keys"]) if i in steps for k in keys]
-
-    epoch0 = ids(a, range(3)) + ids([b], range(1))
-    epoch1 = ids([b], range(1, 3)) + ids(c, range(2))
-    assert len(epoch0) == len(set(epoch0)) == 64 and len(epoch1) == len(set(epoch1)) == 64
-    assert sorted(epoch0) == sorted(ids(a, range(4)))
-    assert sorted(ids([b], range(1))) == sorted(ids(a, range(3, 4)))  # step 4: the same global batch
-
-    ref, got_b, got_c = losses_of(tmp_path / "full"), losses_of(tmp_path / "one"), losses_of(tmp_path / "two")
-    assert sorted(got_b) == [4, 5, 6] and sorted(got_c) == [7, 8]
-    got = {**got_b, **got_c}
-    diffs = {s: abs(v - ref[s]) / ref[s] for s, v in got.items()}
-    print("zero0 fp16 elastic loss continuation (step: uninterrupted, resumed, rel diff):",
-          {s: (ref[s], got[s], d) for s, d in diffs.items()})
-    (tmp_path / "diffs.json").write_text(json.dumps(diffs))
+    _assert_each_sample_once(a, b, c)
+    diffs = _loss_diffs(tmp_path, "zero0 fp16")
     assert diffs[4] <= ZERO0_FIRST_STEP_RTOL and diffs[7] <= ZERO0_LOSS_RTOL, diffs
     assert max(diffs.values()) <= ZERO0_LOSS_RTOL, diffs
 
