@@ -249,7 +249,7 @@ def load(engine: Any, tag_dir: str | os.PathLike) -> dict[str, Any]:
     """Loads a complete checkpoint into ``engine`` (model, optimizer incl. SR seed, scheduler) and
     returns this rank's client state.
 
-    A checkpoint written by another number of ranks is re-sharded (:mod:`recipe.elastic`, ZeRO 0-2):
+    A checkpoint written by another number of ranks is re-sharded (:mod:`recipe.elastic`, ZeRO 0-3):
     the client state then has ``"data"`` the list of every saved rank's data position and
     ``"resharded_from"`` the saved world size.
 

@@ -3,7 +3,8 @@
 What changes with the world size, and how it is carried over (:func:`load_resharded`):
 
 * **Model weights**: DeepSpeed's module state (``mp_rank_00_model_states.pt``) is the full module
-  under ZeRO 0-2; every rank loads it whatever the world size.
+  under ZeRO 0-2; every rank loads it whatever the world size. Under ZeRO-3 the weights live only in
+  the optimizer files (below).
 * **Optimizer state, ZeRO-1/2**: SRAdamW's parameters are this rank's flat partition of each
   group, so its per-element state (``exp_avg``, ``exp_avg_sq``, ``master``/``master_low``) and
   DeepSpeed's own partition of the master weights are flat, partition-shaped tensors, one file per
@@ -13,6 +14,16 @@ What changes with the world size, and how it is carried over (:func:`load_reshar
   scalars (``step``, the noise stream ``index``) and the ``sr`` entry (seed, skipped steps) must be the
   same on every saved rank and are taken as they are. Every element keeps its value bit for bit (the
   split master's high half is the bf16 weight, restored from the module state).
+* **Optimizer state, ZeRO-3**: every parameter is split into ``ceil(numel / world)`` elements per rank
+  (the last rank's piece zero-padded), and each rank's flat optimizer tensor of a sub-group is its
+  pieces of the sub-group's parameters, in order (the layout ``param_shapes`` in
+  ``zero_pp_rank_0_mp_rank_00_model_states.pt`` records, which must equal this run's names and
+  shapes). Each parameter is joined from the saved ranks' pieces and cut again at the new world size,
+  for the bf16 weights (``fp32_flat_groups``, which hold the weights under ZeRO-3) and every
+  per-element SRAdamW state alike; DeepSpeed's own ZeRO-3 loader then takes the re-sharded state as
+  if this rank had saved it (weights into the partitions, the module's parameters re-pointed). The
+  module state of saved rank 0 (buffers; ZeRO-3 parameters are empty there) and the engine's step
+  counters are loaded as DeepSpeed loads them.
 * **Optimizer state, ZeRO-0** (the fp16 route): every rank holds the full module and SRAdamW updates
   the module's own tensors, drawing the noise of rank 0 on every rank (``recipe/optimizer.py``), so the
   replicas are identical. DeepSpeed writes the client optimizer's full state once, into rank 0's
@@ -26,7 +37,7 @@ What changes with the world size, and how it is carried over (:func:`load_reshar
   :meth:`recipe.data.loader.ClipLoader.load_state_dict` re-shards (see there).
 
 SRAdamW's rounding noise is keyed by (seed, rank, tensor index, step, stream, element index within
-the partition), so under ZeRO-1/2 after re-sharding another rank draws the noise of an element: the
+the partition), so under ZeRO-1/2/3 after re-sharding another rank draws the noise of an element: the
 continuation equals an uninterrupted run in distribution, not bit for bit. Under ZeRO-0 the noise does
 not depend on the world size, yet the continuation is not bit for bit either: the per-rank micro-batch
 composition changes (e.g. 2 x 8 vs 1 x 16 samples), so the loss reduction and the sum of the fp16
@@ -34,9 +45,8 @@ gradients over the ranks round differently (measured: 1 ulp of the loss at the f
 resume, then within 4e-4 relative, less than an uninterrupted 1-rank run differs from a 2-rank one;
 ``tests/recipe/test_elastic.py``).
 
-Not supported (a :class:`recipe.checkpoint.CheckpointError` naming the combination): ZeRO-3 (its
-partitions are per parameter and its module state is partitioned too); a change of ZeRO stage; fp16
-state statistics with per-partition scales under ZeRO-1/2; DeepSpeed's ``round_robin_gradients`` (the
+Not supported (a :class:`recipe.checkpoint.CheckpointError` naming the combination): a change of ZeRO
+stage; fp16 state statistics with per-partition scales under ZeRO-1/2/3; DeepSpeed's ``round_robin_gradients`` (the
 flat order of a group then depends on the world size); a streamed (webdataset) data position mid-epoch
 (:meth:`recipe.data.loader.ClipLoader.load_state_dict`).
 
@@ -49,6 +59,7 @@ whose meaning depends on the bf16 weight, per-tensor steps and the SR seed.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -59,6 +70,8 @@ from .checkpoint import COMPLETE, CheckpointError, load_engine_state
 from .distributed import rank_world
 
 __all__ = ["full_flat_state", "load_resharded", "local_flat_state", "saved_world_size", "zero_files"]
+
+_ZERO3_MODULE_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 
 _ZERO_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
 _SCALAR_KEYS = ("step", "index")
@@ -98,17 +111,13 @@ def load_resharded(engine: Any, tag_dir: Path, saved_world: int) -> dict[str, An
     rank, world = rank_world()
     stage = int(engine.zero_optimization_stage())
     files = zero_files(tag_dir)
-    label = f"a ZeRO-{stage} checkpoint"
-    if stage >= 3:
-        raise _unsupported(label, saved_world, world, "ZeRO-3 partitions every parameter (module weights included) "
-                           "per rank; re-sharding it is not implemented (ZeRO-1/2 is); resume on "
-                           f"{saved_world} ranks")
     if stage == 0:
         return _load_zero0(engine, tag_dir, files, rank, saved_world, world)
+    label = f"a ZeRO-{stage} checkpoint"
     if sorted(files) != list(range(saved_world)):
         raise CheckpointError(f"checkpoint {tag_dir} should hold ZeRO optimizer files of ranks 0..{saved_world - 1} "
                               f"for this ZeRO-{stage} run, found ranks {sorted(files)}")
-    zo = engine.optimizer  # ZeRO-1/2 from here on
+    zo = engine.optimizer
     if getattr(zo, "round_robin_gradients", False):
         raise _unsupported(label, saved_world, world, "zero_optimization.round_robin_gradients orders each "
                            "group by the world size; turn it off")
@@ -117,9 +126,12 @@ def load_resharded(engine: Any, tag_dir: Path, saved_world: int) -> dict[str, An
     if saved_stage != stage:
         raise _unsupported(f"a ZeRO-{saved_stage} checkpoint", saved_world, world,
                            f"this run uses ZeRO-{stage}; resume with the saved ZeRO stage")
-    # the full module; DeepSpeed then copies the weights into this rank's partitions
-    load_engine_state(engine, tag_dir, optimizer_states=False)
-    _load_zero12(zo, saved, label, saved_world, world)
+    if stage >= 3:
+        _load_zero3(engine, Path(tag_dir), saved, label, saved_world, world)
+    else:
+        # the full module; DeepSpeed then copies the weights into this rank's partitions
+        load_engine_state(engine, tag_dir, optimizer_states=False)
+        _load_zero12(zo, saved, label, saved_world, world)
     return _client_state(tag_dir, rank, saved_world)
 
 
@@ -135,21 +147,17 @@ def _load_zero0(engine: Any, tag_dir: Path, files: dict[int, Path], rank: int, s
     return _client_state(tag_dir, rank, saved_world)
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _read(path: Path, key: str | None = "optimizer_state_dict") -> dict[str, Any]:
+    """A checkpoint file (``key`` of it), or a CheckpointError naming the file."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        content = torch.load(path, map_location="cpu", weights_only=False)
+        return content if key is None else content[key]
     except Exception as e:
         raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e
 
 
 def _client_state(tag_dir: Path, rank: int, saved_world: int) -> dict[str, Any]:
-    clients = []
-    for r in range(saved_world):
-        path = tag_dir / f"rank{r:05d}.pt"
-        try:
-            clients.append(torch.load(path, map_location="cpu", weights_only=False))
-        except Exception as e:
-            raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e
+    clients = [_read(tag_dir / f"rank{r:05d}.pt", None) for r in range(saved_world)]
     client = dict(clients[0])
     client["rng"] = clients[rank % saved_world]["rng"]
     client["data"] = [c["data"] for c in clients] if "data" in client else None
@@ -201,23 +209,16 @@ def _load_zero12(zo: Any, saved: list[dict[str, Any]], label: str, saved_world: 
                                   f"this run's group {numel}")
         zo.single_partition_of_fp32_groups[i].data.copy_(_pad(full_master[lo:hi], size))
         states = [x[0][i] for x in per_rank]
-        state: dict[str, Any] = {}
-        for key, value in states[0].items():
-            if not torch.is_tensor(value) or value.dim() == 0:
-                values = [s[key] for s in states]
-                if key.endswith("_bound"):
-                    raise _unsupported(label, saved_world, world, f"group {name} keeps fp16 statistics with a "
-                                       "scale per partition, which cannot be re-sharded exactly")
-                if any(not _same(v, value) for v in values):
-                    raise CheckpointError(f"optimizer group {name}: the saved ranks disagree on {key!r}: {values}")
-                state[key] = value.clone() if torch.is_tensor(value) else value
-                continue
+
+        def reshard(key: str, saved_tensors: list[torch.Tensor]) -> torch.Tensor:
             # a saved rank's partition without its padding: as long as its master partition (saved unpadded)
-            full = torch.cat([s[key].reshape(-1)[: m.numel()] for s, m in zip(states, masters)])
+            full = torch.cat([t.reshape(-1)[: m.numel()] for t, m in zip(saved_tensors, masters)])
             if full.numel() != numel:
                 raise CheckpointError(f"optimizer group {name}: state {key!r} holds {full.numel()} elements in "
                                       f"the checkpoint, this run's group {numel}")
-            state[key] = _pad(full[lo:hi], size)
+            return _pad(full[lo:hi], size)
+
+        state = _merge_state(states, name, reshard, label, saved_world, world)
         if state:
             new_state[i] = state
     param_groups = per_rank[0][2] or [{**{k: v for k, v in g.items() if k != "params"}, "params": [i]}
@@ -228,6 +229,26 @@ def _load_zero12(zo: Any, saved: list[dict[str, Any]], label: str, saved_world: 
     opt.load_state_dict(sd)
     if hasattr(zo, "_link_all_hp_params"):
         zo._link_all_hp_params()
+
+
+def _merge_state(states: list[dict[str, Any]], name: Any, reshard: Any, label: str, saved_world: int,
+                 world: int) -> dict[str, Any]:
+    """One flat optimizer tensor's state from every saved rank's (rank order): the scalars (``step``,
+    ``index``), which every saved rank must hold alike, as they are; each per-element state through
+    ``reshard(key, saved_tensors)`` into this rank's partition."""
+    state: dict[str, Any] = {}
+    for key, value in states[0].items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            state[key] = reshard(key, [s[key] for s in states])
+            continue
+        values = [s[key] for s in states]
+        if key.endswith("_bound"):
+            raise _unsupported(label, saved_world, world, f"group {name} keeps fp16 statistics with a "
+                               "scale per partition, which cannot be re-sharded exactly")
+        if any(not _same(v, value) for v in values):
+            raise CheckpointError(f"optimizer group {name}: the saved ranks disagree on {key!r}: {values}")
+        state[key] = value.clone() if torch.is_tensor(value) else value
+    return state
 
 
 def _pad(t: torch.Tensor, size: int) -> torch.Tensor:
@@ -243,19 +264,135 @@ def _same(a: Any, b: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
+# ZeRO-3: every parameter partitioned, flat sub-groups of per-parameter pieces
+# --------------------------------------------------------------------------------------------------
+
+
+def _zero3_layout(engine: Any) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Per ZeRO-3 sub-group the names and full shapes of its parameters, in the flat order (what
+    DeepSpeed saves as ``param_shapes``)."""
+    return [[(engine.param_names[p], tuple(p.ds_shape)) for p in group] for group in engine.optimizer.fp16_groups]
+
+
+def _piece(numel: int, world: int) -> int:
+    """Elements of one parameter on each rank under ZeRO-3 (the last rank's piece zero-padded)."""
+    return -(-numel // world)
+
+
+def _join_pieces(flats: list[torch.Tensor], numels: list[int], what: str) -> list[torch.Tensor]:
+    """The full parameters (flattened, padding dropped) from every rank's flat tensor of one sub-group."""
+    world = len(flats)
+    pieces = [_piece(n, world) for n in numels]
+    for r, flat in enumerate(flats):
+        if flat.numel() != sum(pieces):
+            raise CheckpointError(f"{what}: rank {r} holds {flat.numel()} elements, the layout {sum(pieces)}")
+    split = [flat.reshape(-1).split(pieces) for flat in flats]
+    return [torch.cat([s[j] for s in split])[:n] for j, n in enumerate(numels)]
+
+
+def _cut_pieces(full: list[torch.Tensor], rank: int, world: int) -> torch.Tensor:
+    """This rank's flat tensor of one sub-group from its full parameters (:func:`_join_pieces`)."""
+    out = []
+    for t in full:
+        piece = _piece(t.numel(), world)
+        out.append(_pad(t[rank * piece : (rank + 1) * piece], piece))
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def _load_zero3(engine: Any, tag_dir: Path, saved: list[dict[str, Any]], label: str, saved_world: int,
+                world: int) -> None:
+    """Re-shards a ZeRO-3 checkpoint into this rank's partitions (module docstring)."""
+    zo = engine.optimizer
+    if any(c != zo.partition_count for c in getattr(zo, "sub_group_partition_counts", [])):
+        raise _unsupported(label, saved_world, world, "sub-groups partitioned over other process groups "
+                           "than the data-parallel one")
+    module_file = tag_dir / _ZERO3_MODULE_FILE
+    ckpt = _read(module_file, None)
+    layout = _zero3_layout(engine)
+    stored = [[(n, tuple(s)) for n, s in shapes.items()] for shapes in ckpt.get("param_shapes", [])]
+    if stored != layout:
+        diff = next((f"sub-group {i}: saved {a}, this run {b}" for i, (a, b) in enumerate(zip(stored, layout))
+                     if a != b), f"{len(stored)} sub-groups saved, this run has {len(layout)}")
+        raise CheckpointError(f"checkpoint {tag_dir}: the saved ZeRO-3 parameters (names, shapes, order) are not "
+                              f"this run's ({diff})")
+    numels = [[math.prod(shape) for _, shape in group] for group in layout]
+    pid = torch.distributed.get_rank(group=zo.dp_process_group)
+
+    def reshard(sub: int, what: str, flats: list[torch.Tensor]) -> torch.Tensor:
+        out = _cut_pieces(_join_pieces(flats, numels[sub], what), pid, world)
+        if out.numel() != zo.fp32_partitioned_groups_flat[sub].numel():  # the layout matched: cannot happen
+            raise CheckpointError(f"{what}: re-sharded to {out.numel()} elements, this rank holds "
+                                  f"{zo.fp32_partitioned_groups_flat[sub].numel()}")
+        return out
+
+    weights = [reshard(i, f"sub-group {i} weights", [sd["fp32_flat_groups"][i] for sd in saved])
+               for i in range(len(layout))]
+
+    bases = [sd["optimizer_state_dict"] for sd in saved]
+    groups = bases[0]["param_groups"]
+    if len(groups) != len(zo.optimizer.param_groups):
+        raise CheckpointError(f"the checkpoint has {len(groups)} optimizer groups, this run "
+                              f"{len(zo.optimizer.param_groups)}")
+    if any(b.get("sr") != bases[0].get("sr") for b in bases):
+        raise CheckpointError(f"the saved ranks disagree on the optimizer's seed and skipped steps: "
+                              f"{[b.get('sr') for b in bases]}")
+    new_state: dict[int, dict[str, Any]] = {}
+    for g, group in enumerate(groups):
+        # DeepSpeed lists each group's sub-groups in order (stage3._set_fp32_optimizer_param_groups)
+        subs = [i for i, owner in enumerate(zo.sub_group_to_group_id) if owner == g]
+        if len(subs) != len(group["params"]):
+            raise CheckpointError(f"optimizer group {group.get('name', g)}: {len(group['params'])} sub-groups "
+                                  f"saved, this run has {len(subs)}")
+        for sub, sid in zip(subs, group["params"]):
+            states = [b["state"].get(sid, {}) for b in bases]
+            name = group.get("name", g)
+            state = _merge_state(states, name, lambda key, ts, sub=sub, name=name: reshard(
+                sub, f"optimizer group {name} state {key!r}", ts), label, saved_world, world)
+            if state:
+                new_state[sid] = state
+    new = dict(saved[0])
+    new.update(optimizer_state_dict={**bases[0], "state": new_state}, fp32_flat_groups=weights,
+               partition_count=zo.partition_count)
+    # what DeepSpeed's load_checkpoint does for ZeRO-3, with this rank's re-sharded state in place of the
+    # file it would have saved: release gathered parameters, load the module (buffers; ZeRO-3 parameters
+    # are empty there), the optimizer (weights into the partitions), the step counters, re-gather the
+    # persistent (small, always gathered) parameters
+    zo.checkpoint_event_prologue()
+    try:
+        engine.load_module_state_dict(checkpoint=ckpt, strict=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot load the module state of {module_file}: {type(e).__name__}: {e}") from e
+    states_by_rank: list[Any] = [None] * world
+    states_by_rank[pid] = new
+    zo.load_state_dict(states_by_rank, load_optimizer_states=True)
+    engine.global_steps = ckpt["global_steps"]
+    engine.global_samples = ckpt.get("global_samples", engine.global_steps * engine.train_batch_size())
+    engine.skipped_steps = ckpt["skipped_steps"]
+    engine.loaded_checkpoint_dp_world_size = ckpt["dp_world_size"]
+    if engine.lr_scheduler is not None and ckpt.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
+    zo.checkpoint_event_epilogue()
+
+
+# --------------------------------------------------------------------------------------------------
 # the full view (tests and checks): every group's state over all ranks, without padding
 # --------------------------------------------------------------------------------------------------
 
 
 def local_flat_state(engine: Any) -> list[dict[str, torch.Tensor]]:
-    """This rank's per-group view under ZeRO-1/2: the master partition (``"weight"``) and every
-    per-element SRAdamW state, without padding, plus the scalar states (as 0-dim tensors)."""
+    """This rank's flat optimizer tensors: the weights (``"weight"``), every per-element SRAdamW state
+    and the scalar states (as 0-dim tensors). ZeRO-1/2: one per group, padding dropped; ZeRO-3: one
+    per sub-group, this rank's pieces of its parameters (padding included)."""
     zo = engine.optimizer
     opt = zo.optimizer
+    if engine.zero_optimization_stage() >= 3:
+        flats = list(zo.fp32_partitioned_groups_flat)
+        keeps = [t.numel() for t in flats]
+    else:
+        flats = [g["params"][0] for g in opt.param_groups]
+        keeps = [p.numel() - int(zo.groups_padding[i]) for i, p in enumerate(flats)]
     out = []
-    for i, g in enumerate(opt.param_groups):
-        p = g["params"][0]
-        keep = p.numel() - int(zo.groups_padding[i])
+    for p, keep in zip(flats, keeps):
         view = {"weight": p.detach().reshape(-1)[:keep].clone()}
         for k, v in opt.state.get(p, {}).items():
             if torch.is_tensor(v) and v.dim() > 0:
@@ -267,21 +404,36 @@ def local_flat_state(engine: Any) -> list[dict[str, torch.Tensor]]:
 
 
 def full_flat_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
-    """Every group's full state over all ranks (a collective): per group name, ``"weight"`` and the
-    per-element states joined in rank order (padding dropped), the scalars as rank 0 has them, and
-    ``"sr"`` the optimizer's seed and skipped steps."""
+    """Every flat optimizer tensor's full state over all ranks (a collective), which does not depend
+    on the world size: per group name (ZeRO-3: per sub-group, ``"<group>/<k>"`` when a group has
+    several), ``"weight"`` and the per-element states joined in rank order (ZeRO-3: parameter by
+    parameter), padding dropped, the scalars as rank 0 has them, and ``"sr"`` the optimizer's seed and
+    skipped steps."""
     local = local_flat_state(engine)
     if torch.distributed.is_initialized():
         every: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(every, local)
     else:
         every = [local]
-    opt = engine.optimizer.optimizer
+    zo = engine.optimizer
+    opt = zo.optimizer
+    if engine.zero_optimization_stage() >= 3:
+        numels = [[math.prod(shape) for _, shape in group] for group in _zero3_layout(engine)]
+        owners = list(zo.sub_group_to_group_id)
+        names = [opt.param_groups[g].get("name", str(g)) for g in owners]
+        names = [n if names.count(n) == 1 else f"{n}/{owners[:i].count(owners[i])}" for i, n in enumerate(names)]
+
+        def join(i: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(_join_pieces(tensors, numels[i], names[i]))
+    else:
+        names = [g.get("name", str(i)) for i, g in enumerate(opt.param_groups)]
+
+        def join(i: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(tensors)
+
     out: dict[str, Any] = {}
-    for i, g in enumerate(opt.param_groups):
+    for i, name in enumerate(names):
         views = [e[i] for e in every]
-        out[g.get("name", str(i))] = {
-            k: (torch.cat([v[k] for v in views]) if views[0][k].dim() > 0 else views[0][k]) for k in views[0]
-        }
+        out[name] = {k: (join(i, [v[k] for v in views]) if views[0][k].dim() > 0 else views[0][k]) for k in views[0]}
     out["sr"] = {"seed": opt.seed, "skipped_steps": opt.skipped_steps}
     return out

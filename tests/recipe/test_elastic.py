@@ -12,7 +12,11 @@
   module and the loss scaler are bit for bit the saved ones on every rank; each epoch's sample ids
   exactly once; the loss within a measured tolerance (not bit-identical: the per-rank micro-batch
   composition changes the fp16 rounding, see ZERO0_LOSS_RTOL).
-* Unsupported combinations raise a clear CheckpointError (ZeRO-3; a change of ZeRO stage under ZeRO-0).
+* ZeRO-3, bf16 halfmaster route, 2 -> 4 -> 1 ranks: every element of every sub-group (weights, which
+  live only in the optimizer files under ZeRO-3, statistics, master halves), steps, indices and seed bit
+  for bit; samples once; loss within the same tolerance. The flat per-parameter layout's join/cut is
+  checked against DeepSpeed's partitioning rule for several world-size pairs.
+* Unsupported combinations raise a clear CheckpointError (a change of ZeRO stage).
 """
 
 from __future__ import annotations
@@ -135,7 +139,7 @@ def _elastic_worker(rank: int, world: int, cfgs: list[dict]) -> dict:
 
     def saving(engine, run_dir, state, loader, prec, *a, **k):
         out = save(engine, run_dir, state, loader, prec, *a, **k)
-        if engine.zero_optimization_stage() in (1, 2):
+        if engine.zero_optimization_stage() >= 1:
             record["saved"][state.step] = elastic.full_flat_state(engine)
         elif engine.zero_optimization_stage() == 0:
             record["saved"][state.step] = _replica_state(engine, prec)
@@ -143,7 +147,7 @@ def _elastic_worker(rank: int, world: int, cfgs: list[dict]) -> dict:
 
     def restoring(engine, run_dir, resume, loader, prec, *a, **k):
         state = restore(engine, run_dir, resume, loader, prec, *a, **k)
-        if engine.zero_optimization_stage() in (1, 2):
+        if engine.zero_optimization_stage() >= 1:
             record["restored"] = elastic.full_flat_state(engine)
         elif engine.zero_optimization_stage() == 0:
             record["restored"] = _replica_state(engine, prec)
@@ -198,49 +202,53 @@ def _bit_differences(a: object, b: object, where: str = "") -> list[str]:
 LOSS_RTOL = 5e-3
 
 
-def _two_to_one_to_two(name: str, data: Path, tmp_path: Path) -> tuple[list, dict, list]:
-    """An uninterrupted 2-rank run of 8 steps (micro-batch 8, saves every 3), its step-3 checkpoint
-    resumed on 1 rank (micro-batch 16: the same global batch) to step 6, that run's step-6 checkpoint
-    resumed on 2 ranks to step 8: the workers' records ``(full ranks, one rank, two ranks)``."""
-    ds8 = ds_json(tmp_path, name, micro=8)
-    (tmp_path / "m16").mkdir()
-    ds16 = ds_json(tmp_path / "m16", name, micro=16)
+def _chain(name: str, data: Path, tmp_path: Path, worlds: tuple[int, int, int] = (2, 1, 2)) -> tuple[list, list, list]:
+    """Three runs at the global batch 16 (micro-batch 16 / world): an uninterrupted run of 8 steps on
+    ``worlds[0]`` ranks (saves every 3), its step-3 checkpoint resumed on ``worlds[1]`` ranks to step 6,
+    that run's step-6 checkpoint resumed on ``worlds[2]`` ranks to step 8: each run's per-rank records
+    ``(full, middle, last)``."""
+    ds = {}
+    for w in sorted(set(worlds)):
+        (tmp_path / f"m{16 // w}").mkdir()
+        ds[w] = ds_json(tmp_path / f"m{16 // w}", name, micro=16 // w)
 
-    def cfg(out: str, ds: str, **kw: object) -> dict:
-        c = train_cfg(data, tmp_path / out, ds, **kw)
+    def cfg(out: str, world: int, **kw: object) -> dict:
+        c = train_cfg(data, tmp_path / out, ds[world], **kw)
         c["data"]["val_data"] = ""  # no evaluation: the loss is the measure here
         return c
 
-    full = cfg("full", ds8, steps=8, save_every=3)
-    a = run_distributed(_elastic_worker, 2, [full], init_process_group=False, env=ENV, timeout_s=900)
-    # 2 -> 1 (global batch 16 both), from step 3: mid-epoch 0 (4 steps an epoch)
-    one = cfg("one", ds16, steps=6, save_every=100, resume=str(tmp_path / "full" / "checkpoints" / "step00000003"))
-    (b,) = run_distributed(_elastic_worker, 1, [one], init_process_group=False, env=ENV, timeout_s=900)
-    # 1 -> 2 from step 6 (mid-epoch 1)
-    two = cfg("two", ds8, steps=8, resume=str(tmp_path / "one" / "checkpoints" / "step00000006"))
-    c = run_distributed(_elastic_worker, 2, [two], init_process_group=False, env=ENV, timeout_s=900)
-    assert not a[0]["errors"] and not b["errors"] and not c[0]["errors"], (a[0]["errors"], b["errors"], c[0]["errors"])
+    w0, w1, w2 = worlds
+    full = cfg("full", w0, steps=8, save_every=3)
+    a = run_distributed(_elastic_worker, w0, [full], init_process_group=False, env=ENV, timeout_s=900)
+    # from step 3: mid-epoch 0 (4 steps an epoch)
+    mid = cfg("mid", w1, steps=6, save_every=100, resume=str(tmp_path / "full" / "checkpoints" / "step00000003"))
+    b = run_distributed(_elastic_worker, w1, [mid], init_process_group=False, env=ENV, timeout_s=900)
+    # from step 6: mid-epoch 1
+    last = cfg("last", w2, steps=8, resume=str(tmp_path / "mid" / "checkpoints" / "step00000006"))
+    c = run_distributed(_elastic_worker, w2, [last], init_process_group=False, env=ENV, timeout_s=900)
+    errors = [r["errors"] for r in a + b + c if r["errors"]]
+    assert not errors, errors
     return a, b, c
 
 
-def _assert_each_sample_once(a: list, b: dict, c: list) -> None:
-    """Sample ids of :func:`_two_to_one_to_two`: epoch 0 = steps 1-3 on 2 ranks + step 4 on 1 rank,
+def _assert_each_sample_once(a: list, b: list, c: list) -> None:
+    """Sample ids of :func:`_chain`: epoch 0 = steps 1-3 of the first run + step 4 of the second,
     epoch 1 = steps 5-6 + 7-8; each epoch reads its 64 samples once, epoch 0 the uninterrupted run's."""
 
     def ids(records, steps):
         return [k for rec in records for i, keys in enumerate(rec["keys"]) if i in steps for k in keys]
 
-    epoch0 = ids(a, range(3)) + ids([b], range(1))
-    epoch1 = ids([b], range(1, 3)) + ids(c, range(2))
+    epoch0 = ids(a, range(3)) + ids(b, range(1))
+    epoch1 = ids(b, range(1, 3)) + ids(c, range(2))
     assert len(epoch0) == len(set(epoch0)) == 64 and len(epoch1) == len(set(epoch1)) == 64
     assert sorted(epoch0) == sorted(ids(a, range(4)))  # the same samples as the uninterrupted run's epoch
-    assert sorted(ids([b], range(1))) == sorted(ids(a, range(3, 4)))  # step 4: the same global batch
+    assert sorted(ids(b, range(1))) == sorted(ids(a, range(3, 4)))  # step 4: the same global batch
 
 
 def _loss_diffs(tmp_path: Path, what: str) -> dict[int, float]:
-    """|resumed - uninterrupted| / uninterrupted per step of :func:`_two_to_one_to_two` (printed and
-    written to diffs.json)."""
-    ref, got_b, got_c = losses_of(tmp_path / "full"), losses_of(tmp_path / "one"), losses_of(tmp_path / "two")
+    """|resumed - uninterrupted| / uninterrupted per step of :func:`_chain` (printed and written to
+    diffs.json)."""
+    ref, got_b, got_c = losses_of(tmp_path / "full"), losses_of(tmp_path / "mid"), losses_of(tmp_path / "last")
     assert sorted(got_b) == [4, 5, 6] and sorted(got_c) == [7, 8]
     got = {**got_b, **got_c}
     diffs = {s: abs(v - ref[s]) / ref[s] for s, v in got.items()}
@@ -253,15 +261,59 @@ def _loss_diffs(tmp_path: Path, what: str) -> dict[int, float]:
 @pytest.mark.parametrize("name", ["zero2_bf16_halfmaster.json",
                                   pytest.param("zero1_bf16_halfmaster.json", marks=pytest.mark.slow)])
 def test_zero12_bf16_two_to_one_to_two_ranks(name: str, data: Path, tmp_path: Path) -> None:
-    a, b, c = _two_to_one_to_two(name, data, tmp_path)
+    a, b, c = _chain(name, data, tmp_path)
 
     # the optimizer state, element for element, is the saved one
-    assert not _bit_differences(a[0]["saved"][3], b["restored"])
-    assert not _bit_differences(b["saved"][6], c[0]["restored"])
-    assert a[0]["saved"][3]["sr"]["seed"] == b["restored"]["sr"]["seed"]
+    assert not _bit_differences(a[0]["saved"][3], b[0]["restored"])
+    assert not _bit_differences(b[0]["saved"][6], c[0]["restored"])
+    assert a[0]["saved"][3]["sr"]["seed"] == b[0]["restored"]["sr"]["seed"]
 
     _assert_each_sample_once(a, b, c)
     diffs = _loss_diffs(tmp_path, "zero1/2 bf16")
+    assert max(diffs.values()) <= LOSS_RTOL, diffs
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSpeed, ZeRO-3 bf16 halfmaster: 2 -> 4 -> 1 ranks
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("numels", [[1, 7, 64, 3, 1000], [5], [2, 2]])
+@pytest.mark.parametrize("old,new", [(2, 4), (4, 1), (1, 3), (3, 2)])
+def test_zero3_pieces_round_trip(numels: list[int], old: int, new: int) -> None:
+    """ZeRO-3's flat layout: every parameter in ceil(numel / world) pieces, the last zero-padded
+    (parameters smaller than the world leave whole ranks of padding): joining the saved ranks' flats
+    and cutting them at another world size gives each rank exactly the elements DeepSpeed puts there."""
+    from recipe.elastic import _cut_pieces, _join_pieces
+
+    params = [torch.arange(n, dtype=torch.float32) + 1000 * j for j, n in enumerate(numels)]
+
+    def layout(world: int) -> list[torch.Tensor]:  # DeepSpeed's: pad each parameter, chunk it, concat per rank
+        chunks = [torch.nn.functional.pad(p, (0, -p.numel() % world)).chunk(world) for p in params]
+        return [torch.cat([c[r] for c in chunks]) for r in range(world)]
+
+    joined = _join_pieces(layout(old), numels, "test")
+    assert all(torch.equal(x, y) for x, y in zip(joined, params))
+    assert all(torch.equal(_cut_pieces(joined, r, new), want) for r, want in enumerate(layout(new)))
+    with pytest.raises(Exception, match="test: rank 0 holds"):
+        _join_pieces([t[1:] for t in layout(old)], numels, "test")
+
+
+def test_zero3_bf16_two_to_four_to_one_ranks(data: Path, tmp_path: Path) -> None:
+    """ZeRO-3 partitions every parameter (the weights live only in the optimizer files): after 2 -> 4
+    and 4 -> 1 ranks every element of every sub-group (bf16 weights, bf16 statistics, the int16 master
+    halves, fp32 states) and the per-tensor steps, noise indices and seed are the saved ones; each
+    epoch's samples once; the loss continues within LOSS_RTOL."""
+    a, b, c = _chain("zero3_bf16_halfmaster.json", data, tmp_path, worlds=(2, 4, 1))
+
+    saved = a[0]["saved"][3]
+    kinds = {(k, v.dtype) for g in saved.values() for k, v in g.items() if torch.is_tensor(v) and v.dim()}
+    assert {("master_low", torch.int16), ("exp_avg", torch.bfloat16), ("weight", torch.bfloat16)} <= kinds, kinds
+    assert not _bit_differences(saved, b[0]["restored"])
+    assert not _bit_differences(b[0]["saved"][6], c[0]["restored"])
+
+    _assert_each_sample_once(a, b, c)
+    diffs = _loss_diffs(tmp_path, "zero3 bf16")
     assert max(diffs.values()) <= LOSS_RTOL, diffs
 
 
@@ -285,7 +337,7 @@ def test_zero0_fp16_two_to_one_to_two_ranks(data: Path, tmp_path: Path) -> None:
     them, so the saved state is the whole state: after 2 -> 1 and 1 -> 2 ranks SRAdamW's state dict
     (fp16 statistics with their bounds, the image tower's fp32 master, per-tensor steps and noise
     indices, seed, skipped steps), the module and the loss scaler are bit for bit the saved ones."""
-    a, b, c = _two_to_one_to_two("zero0_fp16_sr_lossscale.json", data, tmp_path)
+    a, b, c = _chain("zero0_fp16_sr_lossscale.json", data, tmp_path)
 
     # the replicas are identical, and the restored state is bit for bit the saved one on every rank
     assert not _bit_differences(a[0]["saved"][3], a[1]["saved"][3])
@@ -295,8 +347,8 @@ def test_zero0_fp16_two_to_one_to_two_ranks(data: Path, tmp_path: Path) -> None:
     assert {"exp_avg", "exp_avg_sq", "master", "step", "index"} <= kinds and any(k.endswith("_bound") for k in kinds), kinds
     assert any(t.dtype == torch.float16 for st in state.values() for t in st.values() if torch.is_tensor(t) and t.dim())
     assert saved["loss_scaler"] is not None
-    assert not _bit_differences(saved, b["restored"])
-    assert not _bit_differences(b["saved"][6], c[0]["restored"]) and not _bit_differences(b["saved"][6], c[1]["restored"])
+    assert not _bit_differences(saved, b[0]["restored"])
+    assert not _bit_differences(b[0]["saved"][6], c[0]["restored"]) and not _bit_differences(b[0]["saved"][6], c[1]["restored"])
 
     _assert_each_sample_once(a, b, c)
     diffs = _loss_diffs(tmp_path, "zero0 fp16")
@@ -314,6 +366,7 @@ class _Engine:
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
+        self.optimizer = object()
 
     def zero_optimization_stage(self) -> int:
         return self.stage
@@ -322,18 +375,21 @@ class _Engine:
         raise AssertionError("an unsupported combination must fail before loading anything")
 
 
-@pytest.mark.parametrize("stage,what", [(3, "ZeRO-3 checkpoint"),
-                                        (0, "ZeRO-1/2/3 checkpoint (ZeRO optimizer files of ranks [0, 1])")])
-def test_unsupported_combinations_are_named(tmp_path: Path, stage: int, what: str) -> None:
-    """ZeRO-3; a ZeRO-0 (fp16 route) run resuming a checkpoint of ZeRO-1/2 (a change of stage)."""
+@pytest.mark.parametrize("stage,saved_stage,what,why", [
+    (2, 3, "ZeRO-3 checkpoint", "this run uses ZeRO-2; resume with the saved ZeRO stage"),
+    (3, 1, "ZeRO-1 checkpoint", "this run uses ZeRO-3; resume with the saved ZeRO stage"),
+    (0, 2, "ZeRO-1/2/3 checkpoint (ZeRO optimizer files of ranks [0, 1])", "this run uses ZeRO-0")])
+def test_unsupported_combinations_are_named(tmp_path: Path, stage: int, saved_stage: int, what: str, why: str) -> None:
+    """A change of ZeRO stage along with the world size (ZeRO-1/2/3 among themselves, or to ZeRO-0, the
+    fp16 route) fails before anything is loaded, naming both."""
     from recipe import checkpoint
     from recipe.checkpoint import CheckpointError
 
     tag = tmp_path / "checkpoints" / "step00000004"
     tag.mkdir(parents=True)
     (tag / checkpoint.COMPLETE).write_text('{"step": 4, "world_size": 2}')  # this process: 1 rank
-    if stage == 0:
-        for r in range(2):
-            (tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=re.escape(f"resuming a {what} saved on 2 ranks on 1 ranks is not supported yet")):
+    for r in range(2):
+        torch.save({"optimizer_state_dict": {"zero_stage": saved_stage}}, tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match=re.escape(f"resuming a {what} saved on 2 ranks on 1 ranks is not "
+                                                        f"supported yet: {why}")):
         checkpoint.load(_Engine(stage), tag)
