@@ -33,6 +33,7 @@ __all__ = [
     "add_field_flags",
     "build_parser",
     "check_field_bounds",
+    "check_model_names",
     "config_from_dict",
     "parse_args",
 ]
@@ -86,6 +87,33 @@ def text_tower_names() -> list[str]:
     from .encoders import TEXT_CONFIGS
 
     return list(TEXT_CONFIGS)
+
+
+def check_model_names(
+    preset: str | None, image_encoder: str | None, text_encoder: str | None, *, init_from: str | None = None
+) -> None:
+    """``ValueError`` naming an unknown preset or encoder and the valid names, before anything is built.
+
+    The one check of model names: training (:meth:`TrainConfig.validate`), the planner
+    (:mod:`recipe.plan`) and the preflight (:mod:`recipe.verify`) call it. Without a preset both
+    encoders are required, unless ``init_from`` (a directory the towers are read from) is given. An
+    image encoder is a timm model name; a text encoder is a built-in text tower
+    (:data:`recipe.encoders.TEXT_CONFIGS`), a config JSON or a model directory.
+    """
+    if preset is None and not (image_encoder and text_encoder) and not init_from:
+        raise ValueError("give a preset, or both an image encoder and a text encoder")
+    if preset is not None and preset not in preset_names():
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(preset_names())}")
+    if image_encoder:
+        import timm
+
+        if not timm.is_model(image_encoder):
+            raise ValueError(f"image encoder {image_encoder!r} is not a timm model name")
+    if text_encoder and text_encoder not in text_tower_names() and not Path(text_encoder).exists():
+        raise ValueError(
+            f"text encoder {text_encoder!r} is neither a built-in text tower ({', '.join(text_tower_names())}) "
+            "nor an existing config JSON or model directory"
+        )
 
 
 @dataclass
@@ -293,7 +321,8 @@ class TrainConfig:
             value = getattr(self.data, name)
             if value is not None and value[0] > value[1]:
                 raise ValueError(f"{name} must be a range (low <= high), got {value[0]} {value[1]}")
-        self._validate_model_names()
+        m = self.model
+        check_model_names(m.preset, m.image_encoder, m.text_encoder, init_from=m.init_from)
         if self.model.init_from is not None:
             if not Path(self.model.init_from).is_dir():
                 raise FileNotFoundError(f"--init-from directory not found: {self.model.init_from}")
@@ -317,24 +346,6 @@ class TrainConfig:
         for part in (d.zeroshot_data or "").split("::"):
             if part and not any(ch in part for ch in "*?[{") and not Path(part).expanduser().exists():
                 raise ValueError(f"zeroshot_data {part!r} does not exist")
-
-    def _validate_model_names(self) -> None:
-        m = self.model
-        if m.preset is None and not (m.image_encoder and m.text_encoder) and not m.init_from:
-            raise ValueError("without a preset both image_encoder and text_encoder are required")
-        if m.preset is not None and m.preset not in preset_names():
-            raise ValueError(f"preset must be one of {', '.join(preset_names())}, got {m.preset!r}")
-        if m.image_encoder:
-            import timm
-
-            if not timm.is_model(m.image_encoder):
-                raise ValueError(f"image_encoder {m.image_encoder!r} is not a timm model name")
-        text = m.text_encoder
-        if text and text not in text_tower_names() and not Path(text).exists():
-            raise ValueError(
-                f"text_encoder {text!r} is neither a built-in text tower ({', '.join(text_tower_names())}) "
-                "nor an existing config JSON or model directory"
-            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

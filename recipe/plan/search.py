@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from recipe.config import check_model_names
 from recipe.precision import read_ds_config, resolve_precision
 
 from .activations import ActivationBytes, measure_activations, measure_loss
@@ -191,28 +192,13 @@ def _loss(mode: str, rows: int, world: int, dim: int, dtype: torch.dtype, chunk:
 
 
 def _spec(model: ModelSpec | str) -> ModelSpec:
+    """The model as a :class:`ModelSpec`, its names checked (``PlanError``) before anything is built."""
     spec = ModelSpec(preset=model) if isinstance(model, str) else model
-    check_model_names(spec)
+    try:
+        check_model_names(spec.preset, spec.image_encoder, spec.text_encoder)
+    except ValueError as e:
+        raise PlanError(str(e)) from e
     return spec
-
-
-def check_model_names(spec: ModelSpec) -> None:
-    """``PlanError`` naming an unknown preset or encoder (before anything is built)."""
-    from recipe.config import preset_names, text_tower_names
-
-    if spec.preset is None and not (spec.image_encoder and spec.text_encoder):
-        raise PlanError("give a preset, or both an image encoder and a text encoder")
-    if spec.preset is not None and spec.preset not in preset_names():
-        raise PlanError(f"unknown preset {spec.preset!r}; choose from {', '.join(preset_names())}")
-    if spec.image_encoder:
-        import timm
-
-        if not timm.is_model(spec.image_encoder):
-            raise PlanError(f"image encoder {spec.image_encoder!r} is not a timm model name")
-    text = spec.text_encoder
-    if text and text not in text_tower_names() and not Path(text).exists():
-        raise PlanError(f"text encoder {text!r} is neither a built-in text tower ({', '.join(text_tower_names())}) "
-                        "nor an existing config JSON or model directory")
 
 
 def _read_config(ds_config: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -26,6 +26,7 @@ from recipe.config import (
     LOSS_NAMES,
     add_field_flags,
     check_field_bounds,
+    check_model_names,
     option,
     preset_names,
     text_tower_names,
@@ -150,7 +151,6 @@ def resolve(cfg: VerifyConfig) -> dict[str, Any]:
         VerifyError, PlanError, ConfigError (all ``ValueError``), FileNotFoundError: bad input, named.
     """
     from recipe.plan import ModelSpec
-    from recipe.plan.search import check_model_names
     from recipe.plan.states import build_meta_model
     from recipe.precision import read_ds_config, resolve_precision
 
@@ -160,7 +160,7 @@ def resolve(cfg: VerifyConfig) -> dict[str, Any]:
                           "(NUM_GPUS, the hostfile's slots, or --world-size is wrong)")
     spec = ModelSpec(cfg.preset, cfg.image_encoder, cfg.text_encoder, cfg.embed_dim, cfg.image_size,
                      cfg.vocab_size, cfg.context_length, cfg.image_master_weights, cfg.text_master_weights)
-    check_model_names(spec)
+    check_model_names(spec.preset, spec.image_encoder, spec.text_encoder)
     path = Path(cfg.ds_config)
     if not path.is_file() and not path.is_absolute() and (REPO / path).is_file():
         path = REPO / path  # the repository's ds_configs/ from any working directory

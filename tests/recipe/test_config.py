@@ -130,10 +130,10 @@ def test_config_file_round_trip_and_flag_override(tmp_path: Path) -> None:
         (["--beta2", "1"], "beta2 must be < 1"),
         (["--train-scale", "0", "1"], "train_scale must be > 0"),
         (["--train-scale", "1", "0.5"], "train_scale must be a range"),
-        (["--text-encoder", "no-such-tower"], "text_encoder 'no-such-tower' is neither a built-in"),
-        (["--image-encoder", "resnet_99"], "image_encoder 'resnet_99' is not a timm model name"),
+        (["--text-encoder", "no-such-tower"], "text encoder 'no-such-tower' is neither a built-in text tower"),
+        (["--image-encoder", "resnet_99"], "image encoder 'resnet_99' is not a timm model name"),
         (["--deepspeed_config", "missing.json"], "DeepSpeed config"),
-        (["--preset", "", "--image-encoder", "vit_tiny_patch16_224"], "text_encoder"),
+        (["--preset", "", "--image-encoder", "vit_tiny_patch16_224"], "give a preset, or both an image encoder and a text encoder"),
     ],
 )
 def test_bad_configs_are_clear_errors(argv: list[str], error: str) -> None:
@@ -192,7 +192,7 @@ def test_help_lists_presets_and_text_towers_from_their_registries(monkeypatch: p
     assert "tiny-2" in helps()["preset"] and "bert-tiny-2" in helps()["text_encoder"]
     cfg = parse_args(["--deepspeed_config", DS, "--preset", "tiny-2", "--text-encoder", "bert-tiny-2"])
     assert (cfg.model.preset, cfg.model.text_encoder) == ("tiny-2", "bert-tiny-2")
-    with pytest.raises(ValueError, match="preset must be one of ViT-B-32, tiny, tiny-resnet, tiny-convnext, tiny-2"):
+    with pytest.raises(ValueError, match="unknown preset 'ViT-Z-99'; choose from ViT-B-32, tiny, tiny-resnet, tiny-convnext, tiny-2"):
         parse_args(["--deepspeed_config", DS, "--preset", "ViT-Z-99"])
 
 

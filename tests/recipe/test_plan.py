@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from recipe.config import build_parser
+from recipe.config import build_parser, check_model_names
 from recipe.plan import ModelSpec, PlanError, parse_memory, plan, predict_memory
 from recipe.plan.activations import count_saved, measure_activations
 from recipe.plan.cli import main
@@ -192,6 +192,17 @@ def test_bad_input_is_a_clear_error(argv: list[str], message: str, capsys: pytes
     assert main(argv + ["--no-write"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err, err
+
+
+@pytest.mark.parametrize("preset, image, text", [("ViT-Z-99", None, None), (None, "not_a_timm_model", "clip-text"),
+                                                 (None, "resnet18", "no-such-tower"), (None, "resnet18", None)])
+def test_model_names_are_checked_by_the_config_check(preset, image, text) -> None:
+    """One owner of the model-name check (recipe.config.check_model_names): the planner says what training says."""
+    with pytest.raises(ValueError) as expected:
+        check_model_names(preset, image, text)
+    with pytest.raises(PlanError) as got:
+        plan(ModelSpec(preset, image, text), gpus=1, gpu_memory="80GiB", global_batch=8)
+    assert str(got.value) == str(expected.value)
 
 
 def test_nothing_fits_names_the_term() -> None:

@@ -1,0 +1,181 @@
+"""``--breakdown``: where one step's time goes, the recipe and the baseline interleaved in one process."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import statistics
+import time
+from dataclasses import asdict
+from typing import Any, Callable
+
+import torch
+
+from _common import environment, make_inputs  # noqa: E402  (puts the repository on sys.path)
+
+from .openclip_arm import OpenClipRunner
+from .recipe_arm import RecipeRunner
+from .settings import BenchSettings, available_arms, resolve_settings, worker_spec
+from .worker import build_runner, sync, worker_env
+
+__all__ = ["BREAKDOWN_ROWS", "run_breakdown"]
+
+#: Rows of the breakdown table: (key, label). Exclusive times, derived in :func:`_exclusive_phases`.
+BREAKDOWN_ROWS = [
+    ("data", "data (inputs to the model's dtype)"),
+    ("forward", "forward (model, and DeepSpeed's forward wrapper)"),
+    ("loss", "loss"),
+    ("backward", "backward (autograd)"),
+    ("ds_hooks", "DeepSpeed: per-gradient hooks (bucket copies)"),
+    ("ds_reduce", "DeepSpeed: gradient reduction at the end of backward"),
+    ("ds_overflow", "DeepSpeed: overflow check"),
+    ("ds_norm", "gradient norm (DeepSpeed; baseline: clip_grad_norm_)"),
+    ("ds_clip", "DeepSpeed: unscale and clip"),
+    ("optimizer", "optimizer step (SRAdamW / torch AdamW + zero_grad)"),
+    ("ds_allgather", "DeepSpeed: weight all-gather"),
+    ("ds_copy", "DeepSpeed: rest of engine.step (gradient flatten, weight copies)"),
+    ("step_own", "train step's own work (finite flags, outcome read, passes bookkeeping)"),
+    ("total", "total (median step)"),
+]
+
+
+class _PhaseClock:
+    """Inclusive wall time per phase of each step, from wrappers around the callables each phase runs
+    (the arms' own code runs unchanged; only timers are added around it). A wrapper counts only while
+    its clock is stepping: wrappers of module-level functions may stack when several arms share them.
+    On CUDA every timed call synchronises the device before and after (host syncs that exist only for
+    this diagnosis: without them a phase's time would be its kernel launches)."""
+
+    active: _PhaseClock | None = None
+
+    def __init__(self, device: torch.device) -> None:
+        self.now: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+        self.device = device
+
+    def wrap(self, owner: Any, attr: str, phase: str) -> None:
+        orig = getattr(owner, attr, None)
+        if orig is None:
+            return
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if _PhaseClock.active is not self:
+                return orig(*args, **kwargs)
+            sync(self.device)
+            t0 = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                sync(self.device)
+                self.now[phase] = self.now.get(phase, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, attr, timed)
+
+    def step(self, fn: Callable[[], Any]) -> None:
+        self.now = {}
+        _PhaseClock.active = self
+        try:
+            sync(self.device)
+            t0 = time.perf_counter()
+            fn()
+            sync(self.device)
+            self.now["total"] = time.perf_counter() - t0
+        finally:
+            _PhaseClock.active = None
+        self.steps.append(self.now)
+
+
+def _clock_recipe(runner: RecipeRunner) -> _PhaseClock:
+    import recipe.passes
+
+    clock, engine = _PhaseClock(runner.device), runner.arm.engine
+    zero = engine.optimizer
+    clock.wrap(recipe.passes, "_inputs", "data")
+    clock.wrap(engine, "forward", "forward")
+    clock.wrap(runner, "loss_fn", "loss")
+    clock.wrap(engine, "backward", "backward_all")
+    clock.wrap(engine, "allreduce_gradients", "ds_reduce")
+    clock.wrap(engine, "step", "engine_step")
+    for attr, phase in (
+        ("process_gradients", "ds_hooks"),
+        ("check_overflow", "ds_overflow"),
+        ("scaled_global_norm", "ds_norm"),
+        ("unscale_and_clip_grads", "ds_clip"),
+        ("_optimizer_step", "optimizer"),
+    ):
+        clock.wrap(zero, attr, phase)
+    stage12 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2")
+    clock.wrap(stage12, "all_gather_dp_groups", "ds_allgather")
+    return clock
+
+
+def _clock_baseline(runner: OpenClipRunner) -> _PhaseClock:
+    clock = _PhaseClock(runner.device)
+    clock.wrap(runner.model, "forward", "forward")
+    clock.wrap(runner, "loss_fn", "loss")
+    clock.wrap(runner.opt, "step", "optimizer")
+    clock.wrap(runner.opt, "zero_grad", "zero_grad")
+    clock.wrap(runner, "clip", "ds_norm")
+    return clock
+
+
+def _exclusive_phases(t: dict[str, float], recipe_arm: bool) -> dict[str, float]:
+    """One step's inclusive phase times turned into the table's exclusive rows."""
+
+    def g(k: str) -> float:
+        return t.get(k, 0.0)
+
+    out = {k: g(k) for k in ("data", "forward", "loss", "ds_hooks", "ds_reduce", "ds_overflow", "ds_norm", "ds_clip",
+                             "optimizer", "ds_allgather")}
+    if recipe_arm:
+        out["backward"] = g("backward_all") - g("ds_hooks") - g("ds_reduce")
+        named = sum(g(k) for k in ("ds_overflow", "ds_norm", "ds_clip", "optimizer", "ds_allgather"))
+        out["ds_copy"] = g("engine_step") - named
+        out["step_own"] = g("total") - g("engine_step") - (
+            g("data") + g("forward") + g("loss") + g("backward_all")
+        )
+    else:  # what the wrappers leave: the backward pass (and the logit-scale clamp, the loss read)
+        out["optimizer"] = g("optimizer") + g("zero_grad")
+        out["backward"] = g("total") - g("forward") - g("loss") - out["optimizer"] - g("ds_norm")
+    out["total"] = g("total")
+    return {k: out.get(k, 0.0) for k, _ in BREAKDOWN_ROWS}  # every row, 0 where the arm has no such phase
+
+
+def run_breakdown(s: BenchSettings, rounds: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Per-phase median times of one step, the recipe (its own :func:`recipe.step.train_step`) and
+    the baseline alternating step by step in this one process (same load for both)."""
+    s = resolve_settings(s)
+    for key in ("DS_ACCELERATOR", "TOKENIZERS_PARALLELISM"):  # what the workers get (before DeepSpeed loads)
+        if key in (env := worker_env(s.device)):
+            os.environ.setdefault(key, env[key])
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    device = torch.device(s.device)
+    arms, missing = available_arms(s.loss_modes[:1], True, s.device)
+    ckpt = s.ckpt[0]
+    base = next(a for a in arms if not a.startswith("recipe-"))
+    recipe_spec = worker_spec(s, arms[0], ckpt, [{"batch": s.batch}], s.accumulation[0])
+    base_spec = worker_spec(s, base, ckpt, [{"batch": s.batch}])
+    runners = [build_runner(recipe_spec, device), build_runner(base_spec, device)]
+    inputs = []
+    for r in runners:
+        x = make_inputs(s.batch, r.image_size, r.text, s.seed)
+        inputs.append({k: v.to(device) for k, v in x.items()})
+    for _ in range(s.warmup):
+        for r, x in zip(runners, inputs):
+            r.step(x)
+    clocks = [_clock_recipe(runners[0]), _clock_baseline(runners[1])]
+    for i in range(rounds or s.steps):
+        for r, x, c in zip(runners, inputs, clocks):
+            c.step(lambda r=r, x=x: r.step(x))
+        times = (f"{r.name} {c.steps[-1]['total'] * 1e3:.1f} ms" for r, c in zip(runners, clocks))
+        log(f"  round {i + 1}: " + ", ".join(times))
+    rows = {}
+    for r, c, is_recipe in zip(runners, clocks, (True, False)):
+        per_step = [_exclusive_phases(t, is_recipe) for t in c.steps]
+        rows[r.name] = {k: statistics.median(p.get(k, 0.0) for p in per_step) for k, _ in BREAKDOWN_ROWS}
+        rows[r.name]["samples_per_s"] = s.batch / rows[r.name]["total"]
+        rows[r.name]["description"] = r.description
+        rows[r.name]["steps"] = per_step
+    return {"settings": asdict(s), "environment": environment(s.device), "unavailable": missing,
+            "arms": [r.name for r in runners], "breakdown": rows}
