@@ -2,7 +2,7 @@
 
 * Data position: the union of what the new ranks read is exactly the unread rest of the epoch (by
   sample ids), for 2 -> 1, 1 -> 2, 2 -> 3 ranks, batch-size changes and a chained re-shard.
-* ZeRO-2, bf16 halfmaster route, 2 -> 1 -> 2 ranks under the real DeepSpeed engine on CPU: the full
+* ZeRO-2 (2 -> 1 -> 2 ranks) and ZeRO-1 (2 -> 4 -> 1), bf16 halfmaster route, under the real DeepSpeed engine on CPU: the full
   optimizer state (every element of every group: weights, bf16 statistics, int16 master halves, fp32
   masters, per-tensor steps, noise indices, seed) is bit for bit the saved one after re-sharding; the
   sample ids of the whole run cover each epoch exactly once; the loss stays within the stated
@@ -198,7 +198,8 @@ def _bit_differences(a: object, b: object, where: str = "") -> list[str]:
 
 #: The stated tolerance of the loss continuation: |resumed - uninterrupted| / uninterrupted per step,
 #: over the 4 steps after each re-shard at the same global batch (measured: 0 at the first step, whose
-#: weights are restored exactly, then <= 3.1e-4 from the rounding noise other ranks draw).
+#: weights are restored exactly (up to 1 ulp of the loss reduction), then <= 3.1e-4 (2 -> 1 -> 2), <= 1.6e-3
+#: (ZeRO-1, 2 -> 4 -> 1) and <= 7.1e-4 (ZeRO-3, 2 -> 4 -> 1) from the rounding noise other ranks draw).
 LOSS_RTOL = 5e-3
 
 
@@ -258,10 +259,10 @@ def _loss_diffs(tmp_path: Path, what: str) -> dict[int, float]:
     return diffs
 
 
-@pytest.mark.parametrize("name", ["zero2_bf16_halfmaster.json",
-                                  pytest.param("zero1_bf16_halfmaster.json", marks=pytest.mark.slow)])
-def test_zero12_bf16_two_to_one_to_two_ranks(name: str, data: Path, tmp_path: Path) -> None:
-    a, b, c = _chain(name, data, tmp_path)
+@pytest.mark.parametrize("name,worlds", [("zero2_bf16_halfmaster.json", (2, 1, 2)),
+                                         pytest.param("zero1_bf16_halfmaster.json", (2, 4, 1), marks=pytest.mark.slow)])
+def test_zero12_bf16_reshards(name: str, worlds: tuple[int, int, int], data: Path, tmp_path: Path) -> None:
+    a, b, c = _chain(name, data, tmp_path, worlds)
 
     # the optimizer state, element for element, is the saved one
     assert not _bit_differences(a[0]["saved"][3], b[0]["restored"])
