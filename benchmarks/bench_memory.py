@@ -77,6 +77,7 @@ MODES: dict[str, MemoryMode] = {
         "zero2_bf16_halfmaster.json", label="bf16 halfmaster, ZeRO-2, image tower SR too", image_master=False
     ),
     "zero0_fp16_sr_lossscale": MemoryMode("zero0_fp16_sr_lossscale.json", label="fp16 SR + loss scaling, ZeRO-0"),
+    "zero0_bf16_sr": MemoryMode("zero0_bf16_sr.json", label="bf16 SR, ZeRO-0 (replicated)"),
     "zero2_fp32": MemoryMode("zero2_fp32.json", label="fp32, ZeRO-2"),
     "zero1_bf16_standard": MemoryMode(
         "zero1_bf16_halfmaster.json", standard=True, label="DeepSpeed standard bf16 + AdamW, ZeRO-1"

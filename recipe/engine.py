@@ -83,7 +83,7 @@ def build_engine(
     """The DeepSpeed engine around ``model`` with SRAdamW as its client optimizer.
 
     ``ds_config`` is the config :func:`recipe.precision.resolve_precision` returned with ``prec``.
-    On the fp16 route the model is cast to fp16 here and the recipe all-reduces gradients itself
+    On the recipe-managed routes (fp16, bf16 at ZeRO-0) the model is cast here and the recipe all-reduces gradients itself
     (see :mod:`recipe.precision`). ``optimizer`` replaces SRAdamW (the benchmarks' comparison arms);
     its groups need a ``name``. ``cfg.model.compile`` compiles the towers first (:func:`compile_towers`).
 
@@ -93,15 +93,15 @@ def build_engine(
     """
     import deepspeed
 
-    if prec.mode == "fp16":
-        model.half()
+    if prec.recipe_managed:  # the fp16 / bf16 ZeRO-0 routes (recipe.precision)
+        model.to(prec.param_dtype)
     if cfg.model.compile:  # before deepspeed.initialize: ZeRO-3 registers its hooks there
         compile_towers(model, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)))
     opt = optimizer if optimizer is not None else build_optimizer(model, cfg, prec)
     group_params = {g["name"]: sum(p.numel() for p in g["params"]) for g in opt.param_groups}
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=engine_config(ds_config, world, opt))
-    if prec.mode == "fp16":
+    if prec.recipe_managed:
         engine.enable_backward_allreduce = False  # done by allreduce_gradients (see recipe.precision)
     return engine, opt, group_params
 

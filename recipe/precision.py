@@ -16,6 +16,14 @@ Three modes:
   gradients are skipped by SRAdamW and shrink the scale. There is no ZeRO sharding in this mode,
   and the recipe all-reduces the (scaled, fp16) gradients itself with :func:`allreduce_gradients`:
   DeepSpeed's own all-reduce refuses fp16 gradients on CPUs without native fp16 support.
+* **bf16 at ZeRO-0** (``"bf16"`` with ``bf16_master_weights_and_grads`` and ZeRO stage 0,
+  ``ds_configs/zero0_bf16_sr.json``): the same recipe-managed path as fp16 without loss scaling.
+  DeepSpeed's bf16 at stage 0 wraps the client optimizer in an fp32-master ``BF16_Optimizer``, so
+  the recipe takes the ``bf16`` section and ``gradient_clipping`` out of the config, casts the model to
+  bf16, averages the gradients itself (in fp32: one rounding per gradient element whatever the
+  world size) and clips by the multiplier; SRAdamW updates the module's own tensors. Replicated
+  weights (DDP-style): for one GPU, or models whose states fit on every rank, it skips ZeRO's
+  flattening, bucketing and partition copies.
 * **fp32**: no precision section; everything fp32 (the reference).
 """
 
@@ -104,11 +112,17 @@ class Precision:
     sr_state_dtype: torch.dtype  # Adam state dtype of the SR (no-master) groups
     half_master_partitions: bool  # ZeRO hands SRAdamW half-precision partitions
     loss_scaler: DynamicLossScaler | None = None  # fp16 route only
-    recipe_clip: float = 0.0  # gradient clipping done by the recipe (fp16 route only)
+    recipe_clip: float = 0.0  # gradient clipping done by the recipe (recipe-managed routes only)
 
     @property
     def label(self) -> str:
         return f"{self.mode}/zero{self.zero_stage}"
+
+    @property
+    def recipe_managed(self) -> bool:
+        """The fp16 and bf16 ZeRO-0 routes: the recipe casts the model, averages the gradients and
+        clips them (by SRAdamW's gradient multiplier); DeepSpeed sees an fp32 config without ZeRO."""
+        return self.zero_stage == 0 and self.half_master_partitions
 
 
 def resolve_precision(ds_config: dict[str, Any]) -> tuple[Precision, dict[str, Any]]:
@@ -132,24 +146,33 @@ def resolve_precision(ds_config: dict[str, Any]) -> tuple[Precision, dict[str, A
         half_states = bool(bf16.get("bf16_optimizer_states"))
         if half_states and not half_master:
             raise ConfigError("bf16.bf16_optimizer_states requires bf16.bf16_master_weights_and_grads")
-        if half_master and stage == 0:
-            raise ConfigError("bf16.bf16_master_weights_and_grads needs ZeRO stage 1, 2 or 3")
-        prec = Precision("bf16", stage, torch.bfloat16, torch.bfloat16 if half_states else torch.float32, half_master)
-        return prec, cfg
+        state_dtype = torch.bfloat16 if half_states else torch.float32
+        if half_master and stage == 0:  # the recipe-managed bf16 route (module docstring)
+            clip = _pop_clipping(cfg)
+            cfg.pop("bf16", None)
+            cfg.pop("bfloat16", None)
+            return Precision("bf16", 0, torch.bfloat16, state_dtype, True, None, clip), cfg
+        return Precision("bf16", stage, torch.bfloat16, state_dtype, half_master), cfg
     if fp16.get("enabled"):
         if stage != 0:
             raise ConfigError(
                 "fp16 SR weights need ZeRO stage 0: DeepSpeed's ZeRO keeps fp32 masters for fp16 "
                 "unless its CPU Adam is used (see README, 'Precision modes')"
             )
-        clip = float(cfg.pop("gradient_clipping", 0.0) or 0.0)
-        if not math.isfinite(clip) or clip < 0:
-            raise ConfigError(f"gradient_clipping must be a finite number >= 0, got {clip}")
+        clip = _pop_clipping(cfg)
         scaler = DynamicLossScaler.from_section(fp16)
         cfg.pop("fp16")
         prec = Precision("fp16", 0, torch.float16, torch.float16, True, scaler, clip)
         return prec, cfg
     return Precision("fp32", stage, torch.float32, torch.float32, False), cfg
+
+
+def _pop_clipping(cfg: dict[str, Any]) -> float:
+    """``gradient_clipping`` taken out of the config handed to DeepSpeed (the recipe clips)."""
+    clip = float(cfg.pop("gradient_clipping", 0.0) or 0.0)
+    if not math.isfinite(clip) or clip < 0:
+        raise ConfigError(f"gradient_clipping must be a finite number >= 0, got {clip}")
+    return clip
 
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -231,7 +254,9 @@ def _check_zero_and_clipping(cfg: dict[str, Any]) -> None:
 def allreduce_gradients(params: list[torch.Tensor], bucket_bytes: int = 1 << 26) -> None:
     """Averages the gradients of ``params`` over the data-parallel ranks, in flat per-dtype buckets.
 
-    Overflow of the summed scaled fp16 gradients shows up as inf and makes the step skip.
+    fp16 gradients are summed in fp16: overflow of the summed scaled gradients shows up as inf and
+    makes the step skip (the loss scaler's signal). bf16 gradients are summed in fp32 and rounded once
+    (a bf16 sum over W ranks would round up to W - 1 times).
     """
     import torch.distributed as dist
 
@@ -251,6 +276,8 @@ def allreduce_gradients(params: list[torch.Tensor], bucket_bytes: int = 1 << 26)
                 size += g.numel() * g.element_size()
             if bucket and (g is None or size >= bucket_bytes):
                 flat = torch.cat([b.reshape(-1) for b in bucket])
+                if flat.dtype == torch.bfloat16:
+                    flat = flat.float()
                 dist.all_reduce(flat)
                 flat.div_(world)
                 offset = 0

@@ -80,15 +80,18 @@ def step_kwargs(opt: SRAdamW, **kwargs: Any) -> Iterator[None]:
 
 
 def grad_multiplier(module: torch.nn.Module, prec: Precision) -> torch.Tensor:
-    """fp16 route: inverse loss scale times the clipping factor of the unscaled global norm, as a
-    device scalar (no host read; a non-finite norm makes the optimizer's gradient check skip)."""
-    inv = 1.0 / prec.loss_scaler.scale
+    """Recipe-managed routes: the inverse loss scale (fp16; 1 for bf16) times the clipping factor of
+    the unscaled global norm, as a device scalar (no host read; a non-finite norm makes the
+    optimizer's gradient check skip)."""
+    inv = 1.0 / prec.loss_scaler.scale if prec.loss_scaler is not None else 1.0
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     if prec.recipe_clip <= 0 or not grads:
         return torch.tensor(inv, dtype=torch.float32, device=device)
-    sq = torch.stack([(g.float() * inv).pow(2).sum().double() for g in grads]).sum()
-    factor = (prec.recipe_clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+    # per-gradient norms accumulated in fp32 (scaled fp16 gradients cannot overflow there), summed in fp64
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    norm = torch.linalg.vector_norm(torch.stack(norms).double()) * inv
+    factor = (prec.recipe_clip / (norm + 1e-6)).clamp(max=1.0)
     return (inv * factor).float()
 
 
@@ -152,9 +155,10 @@ def train_step(
     nonfinite = (~torch.isfinite(torch.stack(losses))).any().float()
     flags = max_over_ranks_(torch.stack([nonfinite, torch.tensor(float(stop_requested), device=nonfinite.device)]))
     kwargs: dict[str, Any] = {"found_inf": flags[:1]}  # [loss non-finite, stop], on any rank
-    if prec.loss_scaler is not None:
+    if prec.recipe_managed:
         allreduce_gradients(list(engine.module.parameters()))
-        kwargs["inv_grad_scale"] = grad_multiplier(engine.module, prec)
+        if prec.loss_scaler is not None or prec.recipe_clip > 0:
+            kwargs["inv_grad_scale"] = grad_multiplier(engine.module, prec)
     ours = isinstance(opt, SRAdamW)
     skipped_before = opt.skipped_steps if ours else 0
     with step_kwargs(opt, **kwargs) if ours else contextlib.nullcontext():

@@ -45,7 +45,7 @@ __all__ = [
 
 REPO = Path(__file__).resolve().parents[2]
 #: Preference between equally good candidates: the recipe's default first, the fp32 reference last.
-_CONFIG_ORDER = ("zero2_bf16_halfmaster", "zero1_bf16_halfmaster", "zero3_bf16_halfmaster",
+_CONFIG_ORDER = ("zero2_bf16_halfmaster", "zero1_bf16_halfmaster", "zero3_bf16_halfmaster", "zero0_bf16_sr",
                  "zero0_fp16_sr_lossscale", "zero2_fp32")
 
 
@@ -281,6 +281,8 @@ def predict_memory(
 
 
 def _route(prec: Any) -> str:
+    if prec.mode == "bf16" and prec.zero_stage == 0 and prec.half_master_partitions:
+        return "bf16 SR, ZeRO-0 (replicated)"
     if prec.mode == "bf16":
         return "bf16 halfmaster (SR bf16 partitions)" if prec.half_master_partitions else "bf16 (fp32 partitions)"
     if prec.mode == "fp16":

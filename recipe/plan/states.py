@@ -18,7 +18,7 @@ model's parameter layout (a ``meta``-device model: no memory, no time) without r
 * ZeRO-3 (``stage3.py``): every parameter is partitioned on its own (``ceil(numel / world)``);
   parameters of at most ``param_persistence_threshold`` elements stay gathered on every rank;
   the reduce bucket (``reduce_bucket_size`` elements) stays allocated;
-* ZeRO-0 (the fp16 route): the optimizer updates the module's own weights, gradients are whole.
+* ZeRO-0 (the fp16 and bf16 ZeRO-0 routes): the optimizer updates the module's own weights, gradients are whole.
 
 Everything is the largest value over ranks (ranks differ by what touches their partition).
 """

@@ -207,6 +207,7 @@ def grad_reference(engine, optimizer, result) -> dict:
 PROMISED = {
     "zero2_bf16_halfmaster": lambda N: (2, (2 / N, 4 / N), (2 / N, 10 / N)),  # split master: 2-byte low half
     "zero0_fp16_sr_lossscale": lambda N: (2, (0, 4), (0, 12)),
+    "zero0_bf16_sr": lambda N: (2, (0, 4), (0, 10)),
     "zero2_bf16_standard": lambda N: (2, (4 / N, 8 / N), (4 / N, 8 / N)),
 }
 

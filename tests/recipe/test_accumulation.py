@@ -80,6 +80,8 @@ CASES = {
                           1e-5, 1e-5),
     # fp16 weights and activations: equal to fp16 rounding (the micro-batch size changes the sums)
     "fp16-route": ("zero0_fp16_sr_lossscale.json", None, {}, 2e-3, 2e-3),
+    # bf16 weights, gradients accumulated in bf16: equal to bf16 rounding
+    "bf16-zero0-route": ("zero0_bf16_sr.json", None, {}, 1e-2, 1e-2),
 }
 
 

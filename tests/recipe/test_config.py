@@ -234,6 +234,14 @@ def test_precision_modes_from_the_shipped_configs() -> None:
     assert (p.mode, p.param_dtype, p.sr_state_dtype, p.recipe_clip) == ("fp16", torch.float16, torch.float16, 1.0)
     assert "fp16" not in cfg and "gradient_clipping" not in cfg  # taken over by the recipe
     assert p.loss_scaler.scale == 2.0**16
+    assert p.recipe_managed
+    p, cfg = resolve_precision(load("zero0_bf16_sr.json"))
+    assert (p.mode, p.zero_stage, p.param_dtype, p.sr_state_dtype, p.recipe_clip) == ("bf16", 0, torch.bfloat16, torch.bfloat16, 1.0)
+    assert p.recipe_managed and p.loss_scaler is None
+    assert "bf16" not in cfg and "gradient_clipping" not in cfg  # DeepSpeed would wrap an fp32-master BF16_Optimizer
+    p, cfg = resolve_precision({"bf16": {"enabled": True}})  # plain bf16 at stage 0: DeepSpeed's own (fp32 master)
+    assert not p.recipe_managed and cfg == {"bf16": {"enabled": True}}
+    assert not resolve_precision(load("zero2_bf16_halfmaster.json"))[0].recipe_managed
     p, _ = resolve_precision(load("zero2_fp32.json"))
     assert (p.mode, p.param_dtype) == ("fp32", torch.float32)
 
@@ -243,7 +251,7 @@ def test_precision_modes_from_the_shipped_configs() -> None:
     [
         ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "both bf16 and fp16"),
         ({"bf16": {"enabled": True, "bf16_optimizer_states": True}, "zero_optimization": {"stage": 2}}, "requires"),
-        ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "ZeRO stage 1, 2 or 3"),
+        ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}, "gradient_clipping": -1}, "gradient_clipping"),
         ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}, "ZeRO stage 0"),
         ({"fp16": {"enabled": True, "loss_scale": 128}}, "static"),
     ],
@@ -273,8 +281,8 @@ def _write(tmp: Path, text: str) -> str:
         ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage must be 0, 1, 2 or 3"),
         ({"gradient_clipping": -1.0}, "gradient_clipping must be a finite number >= 0"),
         ({"fp16": {"enabled": True}}, "both bf16 and fp16"),
-        ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}, "zero_optimization": {"stage": 0}},
-         "ZeRO stage 1, 2 or 3"),
+        ({"bf16": {"enabled": True, "bf16_optimizer_states": True}, "zero_optimization": {"stage": 0}},
+         "bf16.bf16_optimizer_states requires bf16.bf16_master_weights_and_grads"),
     ],
 )
 def test_bad_deepspeed_json_fails_at_parse_time_naming_the_file(edit: dict, error: str, tmp_path: Path) -> None:
@@ -309,7 +317,7 @@ def test_deepspeed_batch_sizes_against_the_world_size(tmp_path: Path, monkeypatc
     assert read_ds_config(_write(tmp_path, '{"train_batch_size": 64, "gradient_accumulation_steps": 8}'), world_size=4)
     with pytest.raises(ConfigError, match="train_batch_size 64 is not a multiple of world size 3$"):
         read_ds_config(_write(tmp_path, '{"train_batch_size": 64}'), world_size=3)
-    for name in ("zero0_fp16_sr_lossscale.json", "zero1_bf16_halfmaster.json", "zero2_bf16_halfmaster.json",
+    for name in ("zero0_fp16_sr_lossscale.json", "zero0_bf16_sr.json", "zero1_bf16_halfmaster.json", "zero2_bf16_halfmaster.json",
                  "zero3_bf16_halfmaster.json", "zero2_fp32.json"):
         assert read_ds_config(ROOT / "ds_configs" / name, world_size=8) == load(name)
 

@@ -26,7 +26,7 @@ import bench_memory
 
 #: census modes and the ds_configs JSON each one runs (bench_memory.MODES), all the planner's routes
 CENSUS_MODES = ["zero2_bf16_halfmaster", "zero3_bf16_halfmaster", "zero2_bf16_halfmaster_allsr",
-                "zero0_fp16_sr_lossscale", "zero2_fp32"]
+                "zero0_fp16_sr_lossscale", "zero0_bf16_sr", "zero2_fp32"]
 
 
 # ----------------------------------------------------------------------------------------------

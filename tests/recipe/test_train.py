@@ -95,6 +95,7 @@ PROMISES = {
     "zero2_bf16_halfmaster.json": dict(module=2, sr=(2, 4), master=(2, 10), shard=True),
     "zero3_bf16_halfmaster.json": dict(module=2, sr=(2, 4), master=(2, 10), shard=True),
     "zero0_fp16_sr_lossscale.json": dict(module=2, sr=(0, 4), master=(0, 12), shard=False),
+    "zero0_bf16_sr.json": dict(module=2, sr=(0, 4), master=(0, 10), shard=False),
     "zero2_fp32.json": dict(module=4, sr=(4, 8), master=(4, 8), shard=True),
 }
 
@@ -127,7 +128,8 @@ def test_precision_mode_trains_and_holds_its_bytes_per_param(name: str, data: Pa
         assert g["state"] == pytest.approx(frac * state_b / shard, abs=pad * 12), (gname, g)
 
 
-@pytest.mark.parametrize("name", ["zero2_bf16_halfmaster.json", "zero3_bf16_halfmaster.json", "zero0_fp16_sr_lossscale.json"])
+@pytest.mark.parametrize("name", ["zero2_bf16_halfmaster.json", "zero3_bf16_halfmaster.json", "zero0_fp16_sr_lossscale.json",
+                                  "zero0_bf16_sr.json"])
 def test_resume_continues_bit_identically(name: str, data: Path, tmp_path: Path) -> None:
     ds = ds_json(tmp_path, name)
     full = train_cfg(data, tmp_path / "full", ds, steps=8, save_every=4)
