@@ -22,6 +22,8 @@
 # Opt-in (named only):
 #   compile 150 s  bench_train with --compile (issue 16)
 #   accum   120 s  bench_train, recipe at accumulation 4 (the embedding cache's cost, issue 14)
+#   zero0   140 s  bf16 at ZeRO-0 (ds_configs/zero0_bf16_sr.json: no ZeRO partition copy at one GPU):
+#                  bench_train as `train` vs OpenCLIP, then bench_memory's census of that mode
 #   verify   90 s  bash launch.sh verify on this GPU: fused loss and Triton optimizer kernel vs their
 #                  references, NCCL all-gather/reduce-scatter, free memory vs recipe.plan (issue 18)
 #
@@ -40,7 +42,7 @@ cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
 
-ALL_STEPS=(optim loss train memory tests compile accum verify)
+ALL_STEPS=(optim loss train memory tests compile accum zero0 verify)
 DEFAULT_STEPS=(optim loss train memory tests)
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
   sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
@@ -117,6 +119,11 @@ step compile 150 bench_train_compile.md "train step with --compile (issue 16, op
 step accum 120 bench_train_accum.md "train step at accumulation 4 (issue 14, opt-in)" \
   "$PY" benchmarks/bench_train.py --device cuda --batch 512 --fit none --ckpt off --loss-modes fused --no-baseline \
   --accumulation 4 --steps 5 --warmup 2 --json "$RES/bench_train_accum.json"
+step zero0 140 bench_train_zero0.md "bf16 at ZeRO-0: train step vs OpenCLIP, memory census (opt-in)" \
+  bash -c '"$1" benchmarks/bench_train.py --device cuda --batch 512 --fit none --ckpt off --loss-modes fused \
+    --ds-config ds_configs/zero0_bf16_sr.json --steps 10 --warmup 3 --json "$2/bench_train_zero0.json" &&
+  "$1" benchmarks/bench_memory.py --device cuda --world 1 --preset ViT-B-32 --batch 64 --modes zero0_bf16_sr \
+    --json "$2/bench_memory_zero0.json"' _ "$PY" "$RES"
 step verify 90 verify.log "preflight on this GPU (issue 18, opt-in)" \
   env NUM_GPUS=1 bash launch.sh verify --preset ViT-B-32 --loss-mode fused --micro-batch 512 --world-size 1
 step goals 10 goals.log "GOALS" "$PY" benchmarks/gpu_goals.py goals "$RES"
