@@ -58,6 +58,8 @@ class StepResult:
         contrastive_batch: Pairs each loss of the step contrasted (:class:`recipe.passes.Passes`).
         stop: Some rank asked to stop (``stop_requested``, e.g. on SIGTERM): every rank sees the same
             value, so all of them stop at this step boundary.
+        grad_norm: The unscaled global gradient norm the recipe clipped by (device scalar) on the
+            recipe-managed routes with clipping; None where DeepSpeed clips (its engine reports it).
     """
 
     loss: torch.Tensor
@@ -67,6 +69,7 @@ class StepResult:
     samples: int
     contrastive_batch: int
     stop: bool = False
+    grad_norm: torch.Tensor | None = None
 
 
 @contextlib.contextmanager
@@ -79,20 +82,20 @@ def step_kwargs(opt: SRAdamW, **kwargs: Any) -> Iterator[None]:
         del opt.step
 
 
-def grad_multiplier(module: torch.nn.Module, prec: Precision) -> torch.Tensor:
-    """Recipe-managed routes: the inverse loss scale (fp16; 1 for bf16) times the clipping factor of
-    the unscaled global norm, as a device scalar (no host read; a non-finite norm makes the
-    optimizer's gradient check skip)."""
+def grad_multiplier(module: torch.nn.Module, prec: Precision) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Recipe-managed routes: ``(multiplier, norm)``, the inverse loss scale (fp16; 1 for bf16) times
+    the clipping factor of the unscaled global gradient norm, and that norm (None without clipping),
+    as device scalars (no host read; a non-finite norm makes the optimizer's gradient check skip)."""
     inv = 1.0 / prec.loss_scaler.scale if prec.loss_scaler is not None else 1.0
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     if prec.recipe_clip <= 0 or not grads:
-        return torch.tensor(inv, dtype=torch.float32, device=device)
+        return torch.tensor(inv, dtype=torch.float32, device=device), None
     # per-gradient norms accumulated in fp32 (scaled fp16 gradients cannot overflow there), summed in fp64
     norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
     norm = torch.linalg.vector_norm(torch.stack(norms).double()) * inv
     factor = (prec.recipe_clip / (norm + 1e-6)).clamp(max=1.0)
-    return (inv * factor).float()
+    return (inv * factor).float(), norm.float()
 
 
 def record_skip(state: TrainState, prec: Precision, skipped: bool, loss_nonfinite: bool, limit: int) -> None:
@@ -155,10 +158,11 @@ def train_step(
     nonfinite = (~torch.isfinite(torch.stack(losses))).any().float()
     flags = max_over_ranks_(torch.stack([nonfinite, torch.tensor(float(stop_requested), device=nonfinite.device)]))
     kwargs: dict[str, Any] = {"found_inf": flags[:1]}  # [loss non-finite, stop], on any rank
+    grad_norm = None
     if prec.recipe_managed:
         allreduce_gradients(list(engine.module.parameters()))
         if prec.loss_scaler is not None or prec.recipe_clip > 0:
-            kwargs["inv_grad_scale"] = grad_multiplier(engine.module, prec)
+            kwargs["inv_grad_scale"], grad_norm = grad_multiplier(engine.module, prec)
     ours = isinstance(opt, SRAdamW)
     skipped_before = opt.skipped_steps if ours else 0
     with step_kwargs(opt, **kwargs) if ours else contextlib.nullcontext():
@@ -169,7 +173,7 @@ def train_step(
     state.samples += passes.samples
     mean = {k: torch.stack([m[k] for m in metrics]).mean() for k in metrics[0]}
     return StepResult(torch.stack(losses).mean(), mean, skipped, loss_nonfinite, passes.samples,
-                      passes.contrastive_batch, stop)
+                      passes.contrastive_batch, stop, grad_norm)
 
 
 def read_outcome(

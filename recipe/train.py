@@ -343,7 +343,9 @@ def train_metrics(
     engine: Any, opt: Any, result: StepResult, state: TrainState, prec: Precision, loader: Any, samples_per_s: float
 ) -> dict[str, Any]:
     """The logged training metrics (collectives and host reads: log steps only)."""
-    gn = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+    gn = result.grad_norm  # the recipe's (recipe-managed routes), else the engine's
+    if gn is None and hasattr(engine, "get_global_grad_norm"):
+        gn = engine.get_global_grad_norm()
     return {
         "loss": mean_over_ranks(result.loss),
         **{k: mean_over_ranks(v) for k, v in result.metrics.items()},

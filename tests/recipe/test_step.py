@@ -1,0 +1,54 @@
+"""recipe/step.py: the recipe-managed routes' gradient multiplier (inverse loss scale x clipping factor)
+and the norm it reports, against a float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from recipe.precision import DynamicLossScaler, Precision
+from recipe.step import grad_multiplier
+
+
+def _module(dtype: torch.dtype, scale: float, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(33, 17), torch.nn.LayerNorm(17), torch.nn.Linear(17, 5)).to(dtype)
+    for p in m.parameters():
+        p.grad = (torch.randn(p.shape, dtype=torch.float64) * scale).to(dtype)
+    m[1].bias.grad = None  # a parameter without a gradient is left out
+    return m
+
+
+@pytest.mark.parametrize("dtype,loss_scale,clip", [(torch.float16, 2.0**12, 1.0), (torch.float16, 2.0**12, 1e4),
+                                                    (torch.bfloat16, 1.0, 0.5), (torch.bfloat16, 1.0, 1e4)])
+def test_multiplier_and_norm_match_float64(dtype: torch.dtype, loss_scale: float, clip: float) -> None:
+    """norm = ||unscaled gradients||_2 (float64 reference, rel 1e-6); multiplier = 1/scale x min(1, clip /
+    (norm + 1e-6)), below and above the clipping threshold."""
+    scaler = DynamicLossScaler(scale=loss_scale) if dtype == torch.float16 else None
+    prec = Precision("fp16" if scaler else "bf16", 0, dtype, dtype, True, scaler, clip)
+    m = _module(dtype, scale=loss_scale * 0.05)
+    mul, norm = grad_multiplier(m, prec)
+    ref = math.sqrt(sum((p.grad.double() / loss_scale).pow(2).sum().item() for p in m.parameters() if p.grad is not None))
+    assert norm.item() == pytest.approx(ref, rel=1e-6)
+    assert mul.dtype == torch.float32 and mul.item() == pytest.approx(min(1.0, clip / (ref + 1e-6)) / loss_scale, rel=1e-6)
+
+
+def test_scaled_fp16_gradients_do_not_overflow_the_norm() -> None:
+    """Scaled fp16 gradients near fp16's max: their squares overflow fp16, not the fp32 per-gradient norms."""
+    prec = Precision("fp16", 0, torch.float16, torch.float16, True, DynamicLossScaler(scale=2.0**16), 1.0)
+    m = _module(torch.float16, scale=2.0e4)
+    mul, norm = grad_multiplier(m, prec)
+    assert math.isfinite(norm.item()) and 0 < mul.item() < 2.0**-16
+
+
+def test_without_clipping_no_norm_and_a_non_finite_gradient_gives_a_non_finite_norm() -> None:
+    prec = Precision("fp16", 0, torch.float16, torch.float16, True, DynamicLossScaler(scale=2.0**8), 0.0)
+    mul, norm = grad_multiplier(_module(torch.float16, 1.0), prec)
+    assert norm is None and mul.item() == 2.0**-8
+    prec = Precision("bf16", 0, torch.bfloat16, torch.bfloat16, True, None, 1.0)
+    m = _module(torch.bfloat16, 1.0)
+    m[0].weight.grad[0, 0] = float("inf")
+    mul, norm = grad_multiplier(m, prec)
+    assert not math.isfinite(norm.item())  # the optimizer's gradient check then skips the step
