@@ -168,10 +168,13 @@ def resolve_precision(ds_config: dict[str, Any]) -> tuple[Precision, dict[str, A
 
 
 def _pop_clipping(cfg: dict[str, Any]) -> float:
-    """``gradient_clipping`` taken out of the config handed to DeepSpeed (the recipe clips)."""
-    clip = float(cfg.pop("gradient_clipping", 0.0) or 0.0)
+    """``gradient_clipping`` taken over from the config handed to DeepSpeed (the recipe clips): set to
+    0 there, not removed, since DeepSpeed's default when the key is missing is to clip at 1.0 (its
+    fp32 path would then clip the still loss-scaled gradients before the recipe's multiplier)."""
+    clip = float(cfg.get("gradient_clipping", 0.0) or 0.0)
     if not math.isfinite(clip) or clip < 0:
         raise ConfigError(f"gradient_clipping must be a finite number >= 0, got {clip}")
+    cfg["gradient_clipping"] = 0.0
     return clip
 
 

@@ -232,13 +232,17 @@ def test_precision_modes_from_the_shipped_configs() -> None:
     assert cfg == load("zero2_bf16_halfmaster.json")  # handed to DeepSpeed unchanged
     p, cfg = resolve_precision(load("zero0_fp16_sr_lossscale.json"))
     assert (p.mode, p.param_dtype, p.sr_state_dtype, p.recipe_clip) == ("fp16", torch.float16, torch.float16, 1.0)
-    assert "fp16" not in cfg and "gradient_clipping" not in cfg  # taken over by the recipe
+    assert "fp16" not in cfg and cfg["gradient_clipping"] == 0.0  # taken over by the recipe
+    from deepspeed.runtime.config import get_gradient_clipping
+    assert get_gradient_clipping(cfg) == 0.0  # DeepSpeed does not clip again (its default is 1.0)
+    assert get_gradient_clipping({}) == 1.0  # why the key is set to 0, not removed
     assert p.loss_scaler.scale == 2.0**16
     assert p.recipe_managed
     p, cfg = resolve_precision(load("zero0_bf16_sr.json"))
     assert (p.mode, p.zero_stage, p.param_dtype, p.sr_state_dtype, p.recipe_clip) == ("bf16", 0, torch.bfloat16, torch.bfloat16, 1.0)
     assert p.recipe_managed and p.loss_scaler is None
-    assert "bf16" not in cfg and "gradient_clipping" not in cfg  # DeepSpeed would wrap an fp32-master BF16_Optimizer
+    assert "bf16" not in cfg  # DeepSpeed would wrap an fp32-master BF16_Optimizer
+    assert get_gradient_clipping(cfg) == 0.0
     p, cfg = resolve_precision({"bf16": {"enabled": True}})  # plain bf16 at stage 0: DeepSpeed's own (fp32 master)
     assert not p.recipe_managed and cfg == {"bf16": {"enabled": True}}
     assert not resolve_precision(load("zero2_bf16_halfmaster.json"))[0].recipe_managed

@@ -52,3 +52,57 @@ def test_without_clipping_no_norm_and_a_non_finite_gradient_gives_a_non_finite_n
     m[0].weight.grad[0, 0] = float("inf")
     mul, norm = grad_multiplier(m, prec)
     assert not math.isfinite(norm.item())  # the optimizer's gradient check then skips the step
+
+
+def _engine_step_worker(rank: int, world: int, name: str) -> dict:
+    """One DeepSpeed engine step on a recipe-managed route with gradients far above the clipping
+    threshold, next to SRAdamW's eager definition stepping the same gradients with the recipe's
+    multiplier: DeepSpeed itself must not touch the gradients (it clips at 1.0 when the JSON has no
+    ``gradient_clipping``)."""
+    import json
+    from pathlib import Path
+
+    import deepspeed
+
+    from optim import SRAdamW
+    from recipe.engine import engine_config
+    from recipe.precision import resolve_precision
+    from recipe.step import step_kwargs
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    ds = json.loads((Path(__file__).resolve().parents[2] / "ds_configs" / name).read_text())
+    ds["train_micro_batch_size_per_gpu"] = 1
+    prec, cfg = resolve_precision(ds)
+    assert prec.recipe_managed and prec.recipe_clip == 1.0
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4)).to(prec.param_dtype)
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    opt = SRAdamW([{"params": list(model.parameters()), "name": "all"}], lr=1e-2, rank=0)
+    ref = SRAdamW([{"params": ref_params, "name": "all"}], lr=1e-2, rank=0, fused=False)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=engine_config(cfg, world, opt))
+    scale = prec.loss_scaler.scale if prec.loss_scaler else 1.0
+    for p, q in zip(model.parameters(), ref_params):
+        g = (torch.randn(p.shape) * 50.0 * min(scale, 2.0**8)).to(p.dtype)  # norm >> 1 (and scaled)
+        p.grad, q.grad = g, g.clone()
+    if prec.loss_scaler:
+        prec.loss_scaler.scale = min(scale, 2.0**8)
+    mul, norm = grad_multiplier(engine.module, prec)
+    with step_kwargs(opt, inv_grad_scale=mul):
+        engine.step()
+    ref.step(grad_scale=1.0 / mul)
+    return {"got": [p.detach().clone() for p in model.parameters()], "want": [q.detach().clone() for q in ref_params],
+            "norm": float(norm)}
+
+
+@pytest.mark.parametrize("name", ["zero0_fp16_sr_lossscale.json", "zero0_bf16_sr.json"])
+def test_deepspeed_does_not_clip_the_recipe_managed_gradients(name: str) -> None:
+    """The recipe clips by SRAdamW's multiplier; the engine step must hand SRAdamW the gradients as
+    they are (they were clipped twice on the fp16 route: DeepSpeed's default clipping at 1.0 applied
+    to the loss-scaled gradients when the recipe removed the key)."""
+    from ..dist_utils import run_distributed
+    from .test_train import ENV
+
+    (out,) = run_distributed(_engine_step_worker, 1, name, init_process_group=False, env=ENV, timeout_s=300)
+    assert out["norm"] > 10  # clipping is active
+    for got, want in zip(out["got"], out["want"]):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
