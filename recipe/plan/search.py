@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from recipe.config import check_model_names
+from recipe.engine import engine_config
 from recipe.precision import read_ds_config, resolve_precision
 
 from .activations import ActivationBytes, measure_activations, measure_loss
@@ -250,7 +251,9 @@ def predict_memory(
     path, cfg = _read_config(ds_config)
     prec, _ = resolve_precision(cfg)
     layout = _layout(spec)
-    sb = state_bytes(layout, prec, cfg, world)
+    # the settings the engine is built with at this world size (recipe.engine.engine_config: e.g. no
+    # contiguous gradient buckets at one rank), as the census measures them
+    sb = state_bytes(layout, prec, engine_config(cfg, world, None), world)
     n = layout.params
     dtype, b = prec.param_dtype, prec.param_dtype.itemsize
     dim = int(_meta_model(spec).embed_dim)
