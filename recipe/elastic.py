@@ -69,7 +69,8 @@ import torch
 from .checkpoint import COMPLETE, CheckpointError, load_engine_state
 from .distributed import rank_world
 
-__all__ = ["full_flat_state", "load_resharded", "local_flat_state", "saved_world_size", "zero_files"]
+__all__ = ["base_states", "cut_pieces", "full_flat_state", "join_pieces", "load_resharded", "local_flat_state", "saved_world_size",
+           "zero_files"]
 
 _ZERO3_MODULE_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 
@@ -170,7 +171,7 @@ def _client_state(tag_dir: Path, rank: int, saved_world: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _base_states(sd: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any] | None, list]:
+def base_states(sd: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any] | None, list]:
     """Per group the base optimizer's state of one saved rank (padded partitions), its ``sr`` entry
     and its param groups. DeepSpeed saves either the optimizer's own state dict ("rigid", the
     default) or, with ``elastic_checkpoint``, a list of per-group states without padding."""
@@ -185,7 +186,7 @@ def _load_zero12(zo: Any, saved: list[dict[str, Any]], label: str, saved_world: 
     """Re-shards the saved partitions of every group into this rank's partition (module docstring)."""
     opt = zo.optimizer
     groups = len(opt.param_groups)
-    per_rank = [_base_states(sd) for sd in saved]
+    per_rank = [base_states(sd) for sd in saved]
     if any(len(states) != groups for states, _, _ in per_rank):
         raise CheckpointError(f"the checkpoint has {len(per_rank[0][0])} optimizer groups, this run {groups}")
     if any(sd.get("param_alignment_paddings", zo.round_robin_bit16_padding) != zo.round_robin_bit16_padding
@@ -279,7 +280,7 @@ def _piece(numel: int, world: int) -> int:
     return -(-numel // world)
 
 
-def _join_pieces(flats: list[torch.Tensor], numels: list[int], what: str) -> list[torch.Tensor]:
+def join_pieces(flats: list[torch.Tensor], numels: list[int], what: str) -> list[torch.Tensor]:
     """The full parameters (flattened, padding dropped) from every rank's flat tensor of one sub-group."""
     world = len(flats)
     pieces = [_piece(n, world) for n in numels]
@@ -290,8 +291,8 @@ def _join_pieces(flats: list[torch.Tensor], numels: list[int], what: str) -> lis
     return [torch.cat([s[j] for s in split])[:n] for j, n in enumerate(numels)]
 
 
-def _cut_pieces(full: list[torch.Tensor], rank: int, world: int) -> torch.Tensor:
-    """This rank's flat tensor of one sub-group from its full parameters (:func:`_join_pieces`)."""
+def cut_pieces(full: list[torch.Tensor], rank: int, world: int) -> torch.Tensor:
+    """This rank's flat tensor of one sub-group from its full parameters (:func:`join_pieces`)."""
     out = []
     for t in full:
         piece = _piece(t.numel(), world)
@@ -319,7 +320,7 @@ def _load_zero3(engine: Any, tag_dir: Path, saved: list[dict[str, Any]], label: 
     pid = torch.distributed.get_rank(group=zo.dp_process_group)
 
     def reshard(sub: int, what: str, flats: list[torch.Tensor]) -> torch.Tensor:
-        out = _cut_pieces(_join_pieces(flats, numels[sub], what), pid, world)
+        out = cut_pieces(join_pieces(flats, numels[sub], what), pid, world)
         if out.numel() != zo.fp32_partitioned_groups_flat[sub].numel():  # the layout matched: cannot happen
             raise CheckpointError(f"{what}: re-sharded to {out.numel()} elements, this rank holds "
                                   f"{zo.fp32_partitioned_groups_flat[sub].numel()}")
@@ -424,7 +425,7 @@ def full_flat_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
         names = [n if names.count(n) == 1 else f"{n}/{owners[:i].count(owners[i])}" for i, n in enumerate(names)]
 
         def join(i: int, tensors: list[torch.Tensor]) -> torch.Tensor:
-            return torch.cat(_join_pieces(tensors, numels[i], names[i]))
+            return torch.cat(join_pieces(tensors, numels[i], names[i]))
     else:
         names = [g.get("name", str(i)) for i, g in enumerate(opt.param_groups)]
 

@@ -7,9 +7,17 @@
 * :func:`read_pretrained` reads an open_clip directory, a Hugging Face CLIP directory or a recipe run
   into the recipe's own model config, weights and tokenizer (``python -m recipe.train --init-from``).
 
-One file per job: :mod:`.run` (a run's model from its checkpoint), :mod:`.atomic` (an output
-directory appears whole or not at all), :mod:`.open_clip` (+ :mod:`.open_clip_read`) and :mod:`.hf` (the
-two formats, both directions).
+What a run exports (``--weights``, default ``master``): the fp32 masters SRAdamW keeps for mastered
+groups (the image tower and the logit scale by default), bit for bit, read from the sharded optimizer
+state; the module weights (bf16/fp16, upcast exactly) for the other parameters. ``--weights module``
+exports ``model_weights.pt`` alone, as the model trained and evaluated. With ``--dtype bf16``/``fp16``
+the masters are rounded to nearest (even) to that dtype. ``--ema`` exports the EMA weights, which have
+no master (``--weights`` must then be ``module``, its default with ``--ema``). A recipe run read by
+:func:`read_pretrained` (``--init-from``) gives its masters too.
+
+One file per job: :mod:`.run` (a run's model from its checkpoint), :mod:`.masters` (the fp32 masters
+out of the optimizer state), :mod:`.atomic` (an output directory appears whole or not at all),
+:mod:`.open_clip` (+ :mod:`.open_clip_read`) and :mod:`.hf` (the two formats, both directions).
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ import torch
 from ..model import CLIPConfig
 from ..tokenizer import Tokenizer
 from .atomic import write_directory
-from .run import DTYPES, LoadedRun, load_run, parse_dtype
+from .masters import read_masters
+from .run import DTYPES, WEIGHTS, LoadedRun, load_run, parse_dtype
 
 __all__ = [
     "FORMATS",
@@ -33,7 +42,9 @@ __all__ = [
     "LoadedRun",
     "UnsupportedExport",
     "DTYPES",
+    "WEIGHTS",
     "export_run",
+    "read_masters",
     "load_run",
     "parse_dtype",
     "read_pretrained",
@@ -80,23 +91,36 @@ def export_run(
     dtype: str = "fp32",
     overwrite: bool = False,
     ema: bool = False,
+    weights: str | None = None,
 ) -> Path:
     """Exports the newest complete checkpoint of ``run_dir`` (or the given tag directory) to ``out``;
     with ``ema`` the checkpoint's EMA weights (runs trained with ``--ema-decay``).
 
-    The output directory appears complete or not at all (:func:`write_directory`).
+    ``weights``: ``"master"`` (the default without ``ema``): the optimizer's fp32 masters where it keeps
+    them, the module weights elsewhere; ``"module"`` (the default with ``ema``): the module (or EMA)
+    weights alone (see the package docstring). The output directory appears complete or not at all
+    (:func:`write_directory`).
 
     Raises:
-        ValueError: An unknown format or dtype.
+        ValueError: An unknown format, dtype or weights, or ``weights="master"`` with ``ema``.
         UnsupportedExport: The model cannot be represented exactly in ``fmt``.
         FileExistsError: ``out`` exists and ``overwrite`` is false.
     """
+    return _export(run_dir, fmt, out, dtype, overwrite, ema, weights)[0]
+
+
+def _export(run_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, dtype: str, overwrite: bool, ema: bool,
+            weights: str | None) -> tuple[Path, LoadedRun]:
+    """:func:`export_run`, also returning the run it exported (for the command line's report)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     torch_dtype = parse_dtype(dtype)
-    run = load_run(run_dir, torch.float32, ema=ema)  # exact fp32 copies of the saved weights; cast when written
+    weights = weights or ("module" if ema else "master")
+    # exact fp32 copies of the saved weights (and masters); cast when written
+    run = load_run(run_dir, torch.float32, ema=ema, weights=weights)
     writer = _writers()[fmt]
-    return write_directory(out, lambda tmp, final: writer(run, tmp, torch_dtype, final=final), overwrite=overwrite)
+    path = write_directory(out, lambda tmp, final: writer(run, tmp, torch_dtype, final=final), overwrite=overwrite)
+    return path, run
 
 
 def detect_format(directory: str | os.PathLike) -> str:
@@ -123,12 +147,16 @@ def detect_format(directory: str | os.PathLike) -> str:
 
 
 def read_pretrained(directory: str | os.PathLike) -> Imported:
-    """Reads an open_clip directory, a Hugging Face CLIP directory or a recipe run (see :func:`detect_format`)."""
+    """Reads an open_clip directory, a Hugging Face CLIP directory or a recipe run (see :func:`detect_format`).
+
+    A recipe run gives its exported weights: the fp32 masters of its mastered parameters, the module
+    weights of the others (:func:`load_run` with ``weights="master"``)."""
     fmt = detect_format(directory)
     if fmt == "recipe":
-        run = load_run(directory, torch.float32)
+        run = load_run(directory, torch.float32, weights="master")
         state = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
-        return Imported(run.config, state, run.tokenizer, f"recipe run {run.tag_dir}")
+        masters = f", fp32 masters of {len(run.master_names)} parameters" if run.master_names else ""
+        return Imported(run.config, state, run.tokenizer, f"recipe run {run.tag_dir}{masters}")
     from . import hf, open_clip_read
 
     return {"open_clip": open_clip_read.read, "hf": hf.read}[fmt](Path(directory))

@@ -482,6 +482,7 @@ def write(run: LoadedRun, out: Path, dtype: torch.dtype, final: Path | None = No
     processor.update(image_processor_type="CLIPImageProcessor", processor_class="CLIPProcessor")
     (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2, sort_keys=True) + "\n")
     note = {"source": str(run.tag_dir), "step": run.step, "saved_dtype": str(run.saved_dtype).replace("torch.", ""),
+            "weights": run.provenance(),
             "token_id_swap": list(plan.swap) if plan.swap else None,
             "note": "token ids in token_id_swap are exchanged relative to the run's tokenizer "
                     "(transformers pools CLIP text at argmax(input_ids) when eos_token_id == 2)"}

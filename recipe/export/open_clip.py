@@ -460,7 +460,7 @@ def write(run: LoadedRun, out: Path, dtype: torch.dtype, final: Path | None = No
     stored = copy.deepcopy(model.config)
     stored.image.weights = None  # the weights are in the safetensors file
     recipe = dict(format=1, model_config=stored.to_dict(), hf_text_dir=HF_TEXT_DIR if plan.text == "hf" else None,
-                  step=run.step, dtype=str(dtype).replace("torch.", ""), notes=notes)
+                  step=run.step, dtype=str(dtype).replace("torch.", ""), weights=run.provenance(), notes=notes)
     doc = dict(model_cfg=model_cfg, preprocess_cfg=preprocess, recipe=recipe)
     (out / CONFIG_FILE).write_text(json.dumps(doc, indent=2) + "\n")
     for path in out.rglob("*"):  # safetensors writes owner-only files; an export is for others to read

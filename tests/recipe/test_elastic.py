@@ -285,7 +285,7 @@ def test_zero3_pieces_round_trip(numels: list[int], old: int, new: int) -> None:
     """ZeRO-3's flat layout: every parameter in ceil(numel / world) pieces, the last zero-padded
     (parameters smaller than the world leave whole ranks of padding): joining the saved ranks' flats
     and cutting them at another world size gives each rank exactly the elements DeepSpeed puts there."""
-    from recipe.elastic import _cut_pieces, _join_pieces
+    from recipe.elastic import cut_pieces, join_pieces
 
     params = [torch.arange(n, dtype=torch.float32) + 1000 * j for j, n in enumerate(numels)]
 
@@ -293,11 +293,11 @@ def test_zero3_pieces_round_trip(numels: list[int], old: int, new: int) -> None:
         chunks = [torch.nn.functional.pad(p, (0, -p.numel() % world)).chunk(world) for p in params]
         return [torch.cat([c[r] for c in chunks]) for r in range(world)]
 
-    joined = _join_pieces(layout(old), numels, "test")
+    joined = join_pieces(layout(old), numels, "test")
     assert all(torch.equal(x, y) for x, y in zip(joined, params))
-    assert all(torch.equal(_cut_pieces(joined, r, new), want) for r, want in enumerate(layout(new)))
+    assert all(torch.equal(cut_pieces(joined, r, new), want) for r, want in enumerate(layout(new)))
     with pytest.raises(Exception, match="test: rank 0 holds"):
-        _join_pieces([t[1:] for t in layout(old)], numels, "test")
+        join_pieces([t[1:] for t in layout(old)], numels, "test")
 
 
 def test_zero3_bf16_two_to_four_to_one_ranks(data: Path, tmp_path: Path) -> None:
