@@ -57,6 +57,25 @@ def test_model_states_match_live_census_w2(census_w2: list[list[dict]], index: i
         assert p.buffer_bytes == pytest.approx(max(r["buffers_bytes"] for r in rows), rel=0.01)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_vit_b32_model_states_match_the_recorded_census(world: int) -> None:
+    """ViT-B-32 (151 M parameters): the planner against bench_memory's census of the live engines,
+    recorded in benchmarks/results/bench_memory_cpu_w<world>_ViT-B-32.json (a 10-minute CPU run;
+    re-run it when the optimizer's or DeepSpeed's state layout changes): every recorded mode within 2 %
+    (measured: 0.0-0.1 %)."""
+    import json
+
+    recorded = json.loads((ROOT / "benchmarks" / "results" / f"bench_memory_cpu_w{world}_ViT-B-32.json").read_text())
+    rows = [r for r in recorded["rows"] if "error" not in r and r["optimizer"] == "SRAdamW"]
+    assert len(rows) >= 4, [r["mode"] for r in rows]
+    for row in rows:
+        mode = bench_memory.MODES[row["mode"]]
+        p = predict_memory(ModelSpec("ViT-B-32", image_master_weights=mode.image_master), mode.config, world=world,
+                           micro_batch=2)
+        measured = row.get("total_max_over_ranks", row["total"])
+        assert p.model_state_bytes / p.params == pytest.approx(measured, rel=0.02), row["mode"]
+
+
 def test_model_states_world1_sum_to_census_kinds() -> None:
     """At one rank everything is whole: the halfmaster route's partition is 2 B/param, grads 2."""
     p = predict_memory("tiny", "zero2_bf16_halfmaster.json", world=1, micro_batch=2)
