@@ -27,6 +27,7 @@ from .functional import (
     HYPERPARAMETERS,
     TensorStep,
     _skip_mask,
+    apply_update_,
     lo_tensor,
     rounding_flags,
     segment_words,
@@ -116,13 +117,10 @@ def compiled_updates_(
     skip = _skip_mask(found_inf)
     table = words_table(specs) if specs else None  # the key words of all tensors at once (index high half 0)
     for i, s in enumerate(specs):
-        if s.param.numel() == 0:
-            continue
-        if s.param.numel() == 1:
-            # Dynamo specialises length 1: a 1-element tensor (CLIP's logit scale) would compile the route
-            # a second time (~10 s), and the eager definition costs ~0.8 ms on a CPU; the compiled route
-            # runs it as a block of two, the element and a copy whose result is dropped
-            _update_one(s, table[i], grad_mul, skip)
+        if s.param.numel() <= 1:
+            # Dynamo specialises lengths 0 and 1: a 1-element tensor (CLIP's logit scale) would compile
+            # the route a second time (~10 s); the eager definition computes the same bits
+            apply_update_(s, grad_mul=grad_mul, found_inf=found_inf)
             continue
         param = s.param if s.param.is_contiguous() else s.param.contiguous()
         device = param.device
@@ -151,26 +149,3 @@ def compiled_updates_(
                 low.copy_(block[4])  # exact: the values are in int16's range
         if param is not s.param:
             s.param.copy_(param)
-
-
-def _update_one(s: TensorStep, words: torch.Tensor, grad_mul: torch.Tensor | float | None, skip: Any) -> None:
-    """One element through its compiled route as a two-element block: the element, then a copy of it
-    (its noise index the next one, wrapping modulo 2**32: the copy's result is dropped), so every bit of
-    the element is what a longer tensor's loop computes for it."""
-    device = s.param.device
-    hp, m_scales, v_scales, gmul = step_tensors(s, grad_mul, device)
-    sr_p, sr_m, sr_v = rounding_flags(s)
-    tensors = [s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.master]
-    block = [t.detach().reshape(1).repeat(2) if t is not None else None for t in tensors]
-    split = block[4] is not None and block[4].dtype == torch.int16
-    if split:
-        block[4] = block[4].to(torch.int32)
-    route = (*(t.dtype if t is not None else None for t in block), m_scales is None, v_scales is None,
-             gmul is None, skip is None, sr_p, sr_m, sr_v, s.clamp is not None)
-    at = s.index_offset
-    words = words if at >> 32 == 0 else segment_words(s.keys, at >> 32)
-    _compiled(route)(*block, hp, words, lo_tensor(at & _M32, device), m_scales, v_scales, gmul, skip,
-                     sr_p, sr_m, sr_v, s.clamp is not None)
-    for t, out in zip(tensors, block):
-        if t is not None and t is not s.grad:
-            t.detach().reshape(1).copy_(out[:1])  # int32 -> int16: exact, in range

@@ -105,37 +105,3 @@ def test_one_compilation_per_route_serves_every_size_and_step(dtype: torch.dtype
     for _ in range(3):
         opt.step()
     assert counters["stats"]["unique_graphs"] == graphs, "recompiled on a later step"
-
-@pytest.mark.parametrize("offset", [0, (1 << 32) - 1, (1 << 40) + 17])
-def test_one_element_tensors_run_compiled_bit_for_bit(offset: int) -> None:
-    """A 1-element tensor (CLIP's logit scale; Dynamo specialises length 1) goes through its route's
-    compiled loop as a block of two; its bits equal the eager definition's, also where the copy's noise
-    index wraps past 2**32 and for a split master, fp16 scaled states and a skipped step."""
-    from optim.functional import TensorStep, apply_update_
-    from optim.master16 import split_master
-
-    gen = torch.Generator().manual_seed(11)
-    kw = dict(step=3, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, keys=(5, 6), index_offset=offset)
-    for _ in range(20):
-        w32 = torch.randn(1, generator=gen) * 3
-        hi, lo = split_master(w32)
-        cases = {
-            "bf16 SR": lambda: (hi.clone(), torch.randn(1, generator=gen).bfloat16(), torch.randn(1).bfloat16(),
-                                torch.rand(1).bfloat16(), {}),
-            "split master": lambda: (hi.clone(), torch.randn(1, generator=gen).bfloat16(), torch.randn(1),
-                                     torch.rand(1), {"master": lo.clone()}),
-            "fp16 scaled": lambda: (w32.half(), torch.randn(1, generator=gen).half(), torch.randn(1).half(),
-                                    torch.rand(1).half(), {"exp_avg_scales": torch.tensor([2.0**-10, 2.0**-9]),
-                                                           "exp_avg_sq_scales": torch.tensor([2.0**-20, 2.0**-20])}),
-        }
-        for name, make in cases.items():
-            p, g, m, v, extra = make()
-            a = [p.clone(), g, m.clone(), v.clone()]
-            b = [p.clone(), g, m.clone(), v.clone()]
-            ea = {k: x.clone() if k == "master" else x for k, x in extra.items()}
-            eb = {k: x.clone() if k == "master" else x for k, x in extra.items()}
-            for found in (torch.tensor(0.0), torch.tensor(1.0)):
-                apply_update_(TensorStep(*a, **kw, **ea), found_inf=found)
-                _compiled.compiled_updates_([TensorStep(*b, **kw, **eb)], found_inf=found)
-                for x, y in zip(a + list(ea.values()), b + list(eb.values())):
-                    assert_same_bits(x, y, f"{name}, offset {offset}")
