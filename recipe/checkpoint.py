@@ -46,7 +46,7 @@ from .distributed import barrier, broadcast_from_rank0, collective_device, max_o
 
 __all__ = [
     "CheckpointError", "save", "load", "resolve", "complete_checkpoints", "rng_state", "set_rng_state",
-    "atomic_write_bytes", "load_engine_state",
+    "atomic_write_bytes", "load_engine_state", "read_file",
 ]
 
 logger = logging.getLogger(__name__)
@@ -277,6 +277,22 @@ def load(engine: Any, tag_dir: str | os.PathLike) -> dict[str, Any]:
         return torch.load(tag_dir / f"rank{rank_world()[0]:05d}.pt", map_location="cpu", weights_only=False)
     except Exception as e:  # unreadable or truncated files
         raise CheckpointError(f"cannot read checkpoint {tag_dir}: {type(e).__name__}: {e}") from e
+
+
+def read_file(path: Path, key: str | None = None, mmap: bool = False) -> Any:
+    """A checkpoint file's content (``key`` of it); ``mmap`` maps its tensors instead of reading them.
+
+    Raises:
+        CheckpointError: The file is missing, unreadable or truncated, or has no ``key`` (named).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    try:
+        content = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        return content if key is None else content[key]
+    except Exception as e:  # a truncated or foreign file
+        raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e
 
 
 def load_engine_state(engine: Any, tag_dir: Path, optimizer_states: bool = True) -> None:

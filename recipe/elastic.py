@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import COMPLETE, CheckpointError, load_engine_state
+from .checkpoint import COMPLETE, CheckpointError, load_engine_state, read_file
 from .distributed import rank_world
 
 __all__ = ["base_states", "cut_pieces", "full_flat_state", "join_pieces", "load_resharded", "local_flat_state", "saved_world_size",
@@ -122,7 +122,7 @@ def load_resharded(engine: Any, tag_dir: Path, saved_world: int) -> dict[str, An
     if getattr(zo, "round_robin_gradients", False):
         raise _unsupported(label, saved_world, world, "zero_optimization.round_robin_gradients orders each "
                            "group by the world size; turn it off")
-    saved = [_read(files[r]) for r in range(saved_world)]
+    saved = [read_file(files[r], "optimizer_state_dict") for r in range(saved_world)]
     saved_stage = int(saved[0].get("zero_stage", stage))
     if saved_stage != stage:
         raise _unsupported(f"a ZeRO-{saved_stage} checkpoint", saved_world, world,
@@ -148,17 +148,8 @@ def _load_zero0(engine: Any, tag_dir: Path, files: dict[int, Path], rank: int, s
     return _client_state(tag_dir, rank, saved_world)
 
 
-def _read(path: Path, key: str | None = "optimizer_state_dict") -> dict[str, Any]:
-    """A checkpoint file (``key`` of it), or a CheckpointError naming the file."""
-    try:
-        content = torch.load(path, map_location="cpu", weights_only=False)
-        return content if key is None else content[key]
-    except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e
-
-
 def _client_state(tag_dir: Path, rank: int, saved_world: int) -> dict[str, Any]:
-    clients = [_read(tag_dir / f"rank{r:05d}.pt", None) for r in range(saved_world)]
+    clients = [read_file(tag_dir / f"rank{r:05d}.pt") for r in range(saved_world)]
     client = dict(clients[0])
     client["rng"] = clients[rank % saved_world]["rng"]
     client["data"] = [c["data"] for c in clients] if "data" in client else None
@@ -192,10 +183,7 @@ def _load_zero12(zo: Any, saved: list[dict[str, Any]], label: str, saved_world: 
     if any(sd.get("param_alignment_paddings", zo.round_robin_bit16_padding) != zo.round_robin_bit16_padding
            for sd in saved):
         raise _unsupported(label, saved_world, world, "the parameter alignment padding differs from this run's")
-    sr = per_rank[0][1]
-    if any(x[1] != sr for x in per_rank):
-        raise CheckpointError(f"the saved ranks disagree on the optimizer's seed and skipped steps: "
-                              f"{[x[1] for x in per_rank]}")
+    sr = _agreed_sr([x[1] for x in per_rank])
     new_state: dict[int, dict[str, Any]] = {}
     for i in range(groups):
         numel = sum(p.numel() for p in zo.bit16_groups[i]) + sum(zo.round_robin_bit16_padding[i])
@@ -230,6 +218,13 @@ def _load_zero12(zo: Any, saved: list[dict[str, Any]], label: str, saved_world: 
     opt.load_state_dict(sd)
     if hasattr(zo, "_link_all_hp_params"):
         zo._link_all_hp_params()
+
+
+def _agreed_sr(srs: list[Any]) -> Any:
+    """The optimizer's ``sr`` entry (seed, skipped steps), which every saved rank must hold alike."""
+    if any(sr != srs[0] for sr in srs):
+        raise CheckpointError(f"the saved ranks disagree on the optimizer's seed and skipped steps: {srs}")
+    return srs[0]
 
 
 def _merge_state(states: list[dict[str, Any]], name: Any, reshard: Any, label: str, saved_world: int,
@@ -308,7 +303,7 @@ def _load_zero3(engine: Any, tag_dir: Path, saved: list[dict[str, Any]], label: 
         raise _unsupported(label, saved_world, world, "sub-groups partitioned over other process groups "
                            "than the data-parallel one")
     module_file = tag_dir / _ZERO3_MODULE_FILE
-    ckpt = _read(module_file, None)
+    ckpt = read_file(module_file)
     layout = _zero3_layout(engine)
     stored = [[(n, tuple(s)) for n, s in shapes.items()] for shapes in ckpt.get("param_shapes", [])]
     if stored != layout:
@@ -334,9 +329,7 @@ def _load_zero3(engine: Any, tag_dir: Path, saved: list[dict[str, Any]], label: 
     if len(groups) != len(zo.optimizer.param_groups):
         raise CheckpointError(f"the checkpoint has {len(groups)} optimizer groups, this run "
                               f"{len(zo.optimizer.param_groups)}")
-    if any(b.get("sr") != bases[0].get("sr") for b in bases):
-        raise CheckpointError(f"the saved ranks disagree on the optimizer's seed and skipped steps: "
-                              f"{[b.get('sr') for b in bases]}")
+    _agreed_sr([b.get("sr") for b in bases])
     new_state: dict[int, dict[str, Any]] = {}
     for g, group in enumerate(groups):
         # DeepSpeed lists each group's sub-groups in order (stage3._set_fp32_optimizer_param_groups)

@@ -148,7 +148,7 @@ def resolve_precision(ds_config: dict[str, Any]) -> tuple[Precision, dict[str, A
             raise ConfigError("bf16.bf16_optimizer_states requires bf16.bf16_master_weights_and_grads")
         state_dtype = torch.bfloat16 if half_states else torch.float32
         if half_master and stage == 0:  # the recipe-managed bf16 route (module docstring)
-            clip = _pop_clipping(cfg)
+            clip = _take_over_clipping(cfg)
             cfg.pop("bf16", None)
             cfg.pop("bfloat16", None)
             return Precision("bf16", 0, torch.bfloat16, state_dtype, True, None, clip), cfg
@@ -159,7 +159,7 @@ def resolve_precision(ds_config: dict[str, Any]) -> tuple[Precision, dict[str, A
                 "fp16 SR weights need ZeRO stage 0: DeepSpeed's ZeRO keeps fp32 masters for fp16 "
                 "unless its CPU Adam is used (see README, 'Precision modes')"
             )
-        clip = _pop_clipping(cfg)
+        clip = _take_over_clipping(cfg)
         scaler = DynamicLossScaler.from_section(fp16)
         cfg.pop("fp16")
         prec = Precision("fp16", 0, torch.float16, torch.float16, True, scaler, clip)
@@ -167,7 +167,7 @@ def resolve_precision(ds_config: dict[str, Any]) -> tuple[Precision, dict[str, A
     return Precision("fp32", stage, torch.float32, torch.float32, False), cfg
 
 
-def _pop_clipping(cfg: dict[str, Any]) -> float:
+def _take_over_clipping(cfg: dict[str, Any]) -> float:
     """``gradient_clipping`` taken over from the config handed to DeepSpeed (the recipe clips): set to
     0 there, not removed, since DeepSpeed's default when the key is missing is to clip at 1.0 (its
     fp32 path would then clip the still loss-scaled gradients before the recipe's multiplier)."""

@@ -52,7 +52,7 @@ import torch
 
 from optim.master16 import join_master
 
-from ..checkpoint import COMPLETE, CheckpointError
+from ..checkpoint import COMPLETE, CheckpointError, read_file
 from ..elastic import base_states, join_pieces, saved_world_size, zero_files
 from ..param_groups import param_groups, tower_of
 
@@ -114,14 +114,8 @@ def read_masters(tag_dir: str | Path, model: torch.nn.Module | None = None) -> d
 
 def _load(path: Path, key: str | None = None) -> Any:
     """A checkpoint file (memory-mapped; ``key`` of it), or a CheckpointError naming the file."""
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} is missing")
     _import_deepspeed_quietly()
-    try:
-        content = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        return content if key is None else content[key]
-    except Exception as e:  # a truncated or foreign file
-        raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e
+    return read_file(path, key, mmap=True)
 
 
 def _import_deepspeed_quietly() -> None:

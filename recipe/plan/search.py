@@ -284,7 +284,7 @@ def predict_memory(
 
 
 def _route(prec: Any) -> str:
-    if prec.mode == "bf16" and prec.zero_stage == 0 and prec.half_master_partitions:
+    if prec.mode == "bf16" and prec.recipe_managed:
         return "bf16 SR, ZeRO-0 (replicated)"
     if prec.mode == "bf16":
         return "bf16 halfmaster (SR bf16 partitions)" if prec.half_master_partitions else "bf16 (fp32 partitions)"
