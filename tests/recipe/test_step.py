@@ -89,7 +89,7 @@ def _engine_step_worker(rank: int, world: int, name: str) -> dict:
     mul, norm = grad_multiplier(engine.module, prec)
     with step_kwargs(opt, inv_grad_scale=mul):
         engine.step()
-    ref.step(grad_scale=1.0 / mul)
+    ref.step(inv_grad_scale=mul)  # the very multiplier the engine step passed
     return {"got": [p.detach().clone() for p in model.parameters()], "want": [q.detach().clone() for q in ref_params],
             "norm": float(norm)}
 
