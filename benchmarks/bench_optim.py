@@ -37,6 +37,7 @@ import os
 import platform
 import statistics
 import sys
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,11 +53,13 @@ def layout(name: str, n_tensors: int, size: int) -> list[tuple[int, ...]]:
         return [(size,)] * n_tensors
     if name == "gpu-1b":
         return [(1 << 24,)] * 64
-    if name == "vit-b-32":
+    if name.endswith("-flat"):  # the same elements as one tensor (what ZeRO-1/2 hand the optimizer at one rank)
+        return [(sum(math.prod(s) for s in layout(name[: -len("-flat")], n_tensors, size)),)]
+    if name in ("vit-b-32", "tiny"):  # a preset's parameter shapes (ZeRO-0: the module's own tensors)
         from recipe.model import create_model
 
         with torch.device("meta"):
-            model = create_model("ViT-B-32")
+            model = create_model("ViT-B-32" if name == "vit-b-32" else name)
         return [tuple(p.shape) for p in model.parameters()]
     raise ValueError(f"unknown layout {name!r}")
 
@@ -205,7 +208,8 @@ def candidates(device: str) -> list[tuple[str, torch.dtype, Callable]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--layout", default=None, help="uniform | gpu-1b | vit-b-32, or several separated by commas "
+    ap.add_argument("--layout", default=None, help="uniform | gpu-1b | vit-b-32 | tiny, X-flat (the same elements "
+                    "as one tensor), or several separated by commas "
                     "(default: gpu-1b on CUDA, uniform on CPU)")
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--size", type=int, default=1 << 20)
