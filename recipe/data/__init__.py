@@ -69,12 +69,13 @@ error at start naming the thing: a missing path, no readable shard at all, an im
 images, a column whose type cannot hold what it should (numbers as captions or image paths), or a
 label column none of whose first values is a class index.
 
-Modules: :mod:`~recipe.data.formats` (paths, format detection, map-style sources, image bytes),
-:mod:`~recipe.data.webdataset` (tar shards), :mod:`~recipe.data.classfolder` (class subfolders
-without captions), :mod:`~recipe.data.decode` (skip reasons, cleaning,
-decoding, transforms, collation), :mod:`~recipe.data.plans` (per-rank plans and cursors),
-:mod:`~recipe.data.loader` (batch producer, :class:`ClipLoader`, factories). Zero-shot prompt
-files are :mod:`recipe.zeroshot`.
+Modules: :mod:`~recipe.data.paths` (paths, format detection), :mod:`~recipe.data.formats`
+(map-style sources, image bytes), :mod:`~recipe.data.webdataset` (tar shards),
+:mod:`~recipe.data.classfolder` (class subfolders without captions), :mod:`~recipe.data.decode`
+(skip reasons, cleaning, decoding, transforms, collation), :mod:`~recipe.data.plans` (per-rank
+plans and cursors), :mod:`~recipe.data.producer` (the batch producer each worker runs),
+:mod:`~recipe.data.loader` (:class:`ClipLoader`, factories). Zero-shot prompt files are
+:mod:`recipe.zeroshot`.
 """
 
 from recipe.config import DataConfig
