@@ -4,7 +4,7 @@ Compares on the same parameters and gradients:
   * torch AdamW, float32 weights and states (fused on CUDA, foreach on CPU);
   * torch AdamW on bf16 weights and states (round-to-nearest everywhere);
   * SRAdamW: bf16 weights + bf16 SR states; fp16 weights + scaled fp16 SR states; bf16 weights with
-    an fp32 master and fp32 states; each on the eager PyTorch path, (CPU) compiled into one loop (the
+    an fp32 master and fp32 states; each on the eager PyTorch path, (CPU) with the C++ kernel (the
     default there) and (CUDA) with the fused Triton kernel,
     and the fused kernel once more with ``check_finite=False`` (no separate inf/NaN pass over the
     gradients: the kernel's own time plus the per-step host work; neither variant synchronises with
@@ -188,8 +188,8 @@ def candidates(device: str) -> list[tuple[str, torch.dtype, Callable]]:
             )
     else:
         print("# SRAdamW fused rows need CUDA: skipped", file=sys.stderr)
-        for label, dtype, kw in sr_configs:  # the default on CPU tensors: the update compiled into one loop
-            c.append((f"SRAdamW {label} (compiled CPU)", dtype, lambda ps, kw=kw: SRAdamW(ps, lr=1e-3, **kw)))
+        for label, dtype, kw in sr_configs:  # the default on CPU tensors: the C++ kernel
+            c.append((f"SRAdamW {label} (CPU kernel)", dtype, lambda ps, kw=kw: SRAdamW(ps, lr=1e-3, **kw)))
     try:
         from torchao.optim import _AdamW
 

@@ -1,10 +1,9 @@
 """Device code of the fused SRAdamW kernel, and the metadata row layout it shares with the host.
 
-The host side (dtype groups, metadata table, launch) and the design notes are in
-:mod:`optim.triton_kernel`. Each tensor of a launch has one *metadata row* of int64 words: the
-:class:`Word` part (addresses, length, noise index and keys), then the :class:`Slot` part (float32
-hyperparameters, two per word). Both are defined here once, by name: the host fills rows by these
-names and the kernel reads them through constexpr globals bound from the same enums.
+The host side (dtype groups, launch) and the design notes are in :mod:`optim.triton_kernel`. Each
+tensor of a launch has one *metadata row* of int64 words, laid out by :mod:`optim._rows` (shared with
+the CPU kernel): the host fills rows by those names and the kernel reads them through constexpr
+globals bound from the same enums.
 
 Triton comes from :func:`optim._triton.load` (the one availability policy); without it the layout
 is still defined and the kernel names are ``None``.
@@ -12,59 +11,14 @@ is still defined and the kernel names are ``None``.
 
 from __future__ import annotations
 
-from enum import IntEnum
 from typing import Any
 
 from ._triton import load
-from .functional import HYPERPARAMETERS
+from ._rows import INT_WORDS, ROW_WORDS, Kind, Master, Slot, Word
 
 triton, tl = load()
 
 __all__ = ["Word", "Slot", "Kind", "Master", "INT_WORDS", "ROW_WORDS", "sradamw_kernel"]
-
-
-class Word(IntEnum):
-    """The int64 words of a metadata row."""
-
-    P = 0  # address of the parameter
-    G = 1  # address of the gradient
-    M = 2  # address of exp_avg
-    V = 3  # address of exp_avg_sq
-    MASTER = 4  # address of the float32 master, or of the int16 low halves of a split one (0: none)
-    M_SCALE_OLD = 5  # addresses of exp_avg's (old, new) 0-dim float32 state scales (0: none)
-    M_SCALE_NEW = 6
-    V_SCALE_OLD = 7  # the same for exp_avg_sq
-    V_SCALE_NEW = 8
-    NUMEL = 9  # number of elements
-    NOISE_BASE = 10  # noise index of element 0
-    A_P = 11  # key words (optim.rounding.key_words) of the weight's noise key, in [0, 2**32)
-    B_P = 12
-    A_S = 13  # the same for the statistics' key (high half of its hash: exp_avg, low half: exp_avg_sq)
-    B_S = 14
-
-
-#: The float32 hyperparameters after the :class:`Word` part, by the names (and in the order) of
-#: ``optim.functional.HYPERPARAMETERS``, rounded there.
-Slot = IntEnum("Slot", {name.upper(): i for i, name in enumerate(HYPERPARAMETERS)})
-
-INT_WORDS = len(Word)
-ROW_WORDS = INT_WORDS + (len(Slot) + 1) // 2  # the float part padded to whole words
-
-
-class Kind(IntEnum):
-    """Storage dtype codes of the kernel's ``*_KIND`` constexpr arguments."""
-
-    F32 = 0
-    BF16 = 1
-    F16 = 2
-
-
-class Master(IntEnum):
-    """Codes of the kernel's ``MASTER`` constexpr argument."""
-
-    NONE = 0
-    F32 = 1  # a float32 master; the parameter gets its round-to-nearest-even copy
-    SPLIT = 2  # bfloat16 parameter = high half, int16 state = low half (optim.master16)
 
 
 sradamw_kernel: Any = None  # the @triton.jit kernel; None without Triton

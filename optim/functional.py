@@ -2,8 +2,8 @@
 
 A :class:`TensorStep` holds everything one tensor's update needs (its tensors, step, hyperparameters,
 noise keys, float16 state scales). :func:`apply_update_` applies one on the PyTorch path (the
-reference definition, chunked eager ops); ``optim._compiled`` applies the same function compiled into
-one loop on the CPU (the CPU fast path) and ``optim.triton_kernel.sradamw_fused_`` a list of them
+reference definition, chunked eager ops); ``optim._cpu_kernel`` applies the same function element for
+element in one C++ loop on the CPU (the CPU fast path) and ``optim.triton_kernel.sradamw_fused_`` a list of them
 with the fused GPU kernel. All three compute the same bits.
 
 The update, in IEEE float32 arithmetic whatever the storage dtypes: every operation below is one
@@ -202,7 +202,7 @@ def masked_copy_(dst: torch.Tensor, src: torch.Tensor, skip: torch.Tensor | None
 def hyperparameters(s: TensorStep, grad_mul: float = 1.0) -> dict[str, float]:
     """The step's float32 scalars by name (:data:`HYPERPARAMETERS`): computed in float64, rounded once.
 
-    The one place where the hyperparameters are rounded; the eager path, the compiled CPU path and the
+    The one place where the hyperparameters are rounded; the eager path, the CPU kernel and the
     fused kernel's metadata rows all take them from here. Cached: the tensors of a group share them.
     """
     clamp = (float(s.clamp[0]), float(s.clamp[1])) if s.clamp is not None else None
@@ -276,9 +276,10 @@ def update_block_(
 ) -> None:
     """The update of one block of elements, in place: the definition, as tensor operations.
 
-    Runs eagerly on chunks (:func:`apply_update_`, with ``sqrt_fn`` the float64 route) and compiled
-    on whole tensors (``optim._compiled``, ``torch.sqrt``: Inductor's vector square root is the IEEE
-    one). Every argument that changes per step is a tensor, so one compilation serves every step.
+    Runs eagerly on chunks (:func:`apply_update_`, with ``sqrt_fn`` the float64 route to a correctly
+    rounded square root); the CPU kernel (``optim/csrc/sradamw_cpu.cpp``) and the Triton kernel
+    (``optim._sradamw_jit``) compute it element for element. Every argument that changes per step is a
+    tensor.
 
     Args:
         p, g, m, v: 1-D views of the weight, gradient and statistics (storage dtypes).
@@ -299,8 +300,7 @@ def update_block_(
     gf = g.to(f32)
     if grad_mul is not None:
         gf = gf * grad_mul
-    # the exact master in 2 bytes (optim.master16): int16 low halves (int32 on the compiled CPU path,
-    # which widens them around its loop: its compiler keeps 16-bit integers out of vector code)
+    # the exact master in 2 bytes (optim.master16): int16 low halves (or int32 holding the same values)
     split = master is not None and master.dtype in (torch.int16, torch.int32)
     if split:
         w = join_master(p, master)

@@ -70,8 +70,13 @@ class _PendingSkip:
 def _grad_amax(grads: list[torch.Tensor]) -> torch.Tensor:
     """float32 ``[len(grads)]``: the largest magnitude of each gradient (NaN when it holds one), on their
     device. The one choice of reduction: on CUDA one multi-tensor ``_foreach_norm(ord=inf)`` launch;
-    on the CPU ``aminmax`` per tensor (one vectorised pass, ~20x faster there than the norm's bf16 path)."""
+    on the CPU one call of the CPU kernel's reduction for all tensors (``optim._cpu_kernel.grad_amax``),
+    or without it ``aminmax`` per tensor (~20x faster there than the norm's bf16 path)."""
     if grads[0].device.type == "cpu":
+        from . import _cpu_kernel
+
+        if _cpu_kernel.available():
+            return _cpu_kernel.grad_amax(grads)
         ends = [torch.aminmax(g) for g in grads]
         return torch.stack([torch.maximum(lo.abs(), hi.abs()) for lo, hi in ends]).to(torch.float32)
     return torch.stack(torch._foreach_norm(grads, float("inf"))).to(torch.float32)
@@ -175,9 +180,10 @@ class SRAdamW(Optimizer):
         process_group: Group over which the non-finite flag is reduced (default: the world group
             when ``torch.distributed`` is initialised).
         fused: ``None`` (default) picks the fastest implementation per device: CUDA tensors get the
-            fused Triton kernel when Triton imports, CPU tensors the update compiled by
-            ``torch.compile`` into one loop (``optim._compiled``; the first step compiles it, ~10 s per
-            dtype route, and a machine without a C++ compiler falls back to the eager path);
+            fused Triton kernel when Triton imports, CPU tensors the C++ kernel (``optim._cpu_kernel``:
+            one vectorised, multi-threaded call per dtype route and step; built on first use, ~1 s
+            per route and cached on disk; a machine without a C++ compiler falls back to the eager
+            path);
             ``True`` forces the Triton kernel (CUDA tensors, or CPU tensors when the kernel runs
             interpreted: ``TRITON_INTERPRET=1``, the default on a machine without CUDA); ``False``
             always uses the eager PyTorch path (the reference definition). All paths compute the
@@ -359,13 +365,13 @@ class SRAdamW(Optimizer):
 
     def _update_for(self, device: torch.device) -> _Update:
         """The implementation that updates this device's tensors (the one place that chooses): the
-        fused Triton kernel, the compiled CPU loop, or the eager PyTorch path (all compute the same bits)."""
+        fused Triton kernel, the C++ CPU kernel, or the eager PyTorch path (all compute the same bits)."""
         if self.fused is False:
             return _pytorch_updates_
         if self.fused is None and device.type == "cpu":
-            from . import _compiled
+            from . import _cpu_kernel
 
-            return _compiled.compiled_updates_ if _compiled.available() else _pytorch_updates_
+            return _cpu_kernel.cpu_updates_ if _cpu_kernel.available() else _pytorch_updates_
         if self.fused is None:
             kernel = _fused_kernel()
             if device.type != "cuda" or kernel is None or kernel.interpreting():
@@ -392,23 +398,31 @@ class SRAdamW(Optimizer):
             state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
         return state
 
-    def _tensor_step(self, p: torch.Tensor, group: dict[str, Any], rank: int) -> TensorStep:
-        """Advances ``p``'s step counter; returns its update (float16 state scales: :meth:`_f16_scales`)."""
-        state = self.state[p]
-        if len(state) == 0:
-            state = self._init_state(p, group)
-        state["step"] += 1
-        t = int(state["step"])  # a CPU tensor
-        beta1, beta2 = group["betas"]
-        keys = (0, 0)  # filled for all tensors at once by _derive_keys
-        return TensorStep(
-            p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=t,
-            lr=float(group["lr"]),  # a tensor lr is read here (a sync if it lives on a device)
-            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], keys=keys,
-            master=state.get("master", state.get("master_low")),
-            weight_rounding=group["weight_rounding"], state_rounding=group["state_rounding"],
-            clamp=group.get("clamp"),
-        )
+    def _tensor_steps(self, todo: list[tuple[torch.Tensor, dict[str, Any]]]) -> list[TensorStep]:
+        """Advances the step counters of ``todo``'s parameters (``(param, group)`` pairs; states are
+        created on first use) and returns their updates, keys and float16 state scales still unset
+        (:meth:`_derive_keys`, :meth:`_f16_scales`). The counters are CPU tensors: advanced and read
+        with a few multi-tensor operations for all of them, not two per tensor."""
+        states = [self.state[p] if len(self.state[p]) else self._init_state(p, group) for p, group in todo]
+        counters = [st["step"] for st in states]
+        torch._foreach_add_(counters, 1)
+        if all(c.dtype == torch.int64 for c in counters):
+            steps = torch.stack(counters).tolist()  # CPU tensors: no device sync
+        else:  # a state loaded from elsewhere (e.g. float32 counters)
+            steps = [int(c) for c in counters]
+        lrs = {id(group): float(group["lr"]) for _, group in todo}  # a tensor lr is read here (a sync on a device)
+        out = []
+        for (p, group), state, t in zip(todo, states, steps):
+            beta1, beta2 = group["betas"]
+            out.append(TensorStep(
+                p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=int(t), lr=lrs[id(group)],
+                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                keys=(0, 0),  # filled for all tensors at once by _derive_keys
+                master=state.get("master", state.get("master_low")),
+                weight_rounding=group["weight_rounding"], state_rounding=group["state_rounding"],
+                clamp=group.get("clamp"),
+            ))
+        return out
 
     def _derive_keys(self, steps: list[TensorStep], rank: int) -> None:
         """Sets every step's noise keys ``derive_key(seed, rank, tensor index, step, stream)`` for the
@@ -522,6 +536,7 @@ class SRAdamW(Optimizer):
         rank = self._rank()
         specs: dict[torch.device, list[TensorStep]] = {}
         skips: dict[torch.device, torch.Tensor | None] = {}
+        todo = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -530,7 +545,9 @@ class SRAdamW(Optimizer):
                     raise RuntimeError("SRAdamW does not support sparse gradients")
                 if p.device not in skips:  # the flag where this device's update reads it (no host sync)
                     skips[p.device] = device_skip.to(p.device) if device_skip is not None else None
-                specs.setdefault(p.device, []).append(self._tensor_step(p, group, rank))
+                todo.append((p, group))
+        for s in self._tensor_steps(todo):
+            specs.setdefault(s.param.device, []).append(s)
         self._derive_keys([s for items in specs.values() for s in items], rank)
         for device, items in specs.items():
             self._f16_scales(items, grad_mul, skips[device], maxima.get(device))  # one implementation per device; the kernel: one launch per dtype group

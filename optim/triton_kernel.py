@@ -43,9 +43,8 @@ import torch
 
 from . import _sradamw_jit as _jit
 from . import _triton
-from ._sradamw_jit import Kind, Master, Slot, Word
-from .functional import HYPERPARAMETERS, TensorStep, hyperparameters, key_pair
-from .rounding import key_words_tensor
+from ._rows import metadata, specialisation, validate
+from .functional import TensorStep
 
 __all__ = [
     "TensorStep",
@@ -63,9 +62,6 @@ __all__ = [
 DEFAULT_BLOCK = 2048
 DEFAULT_NUM_WARPS = 16
 
-_KIND = {torch.float32: Kind.F32, torch.bfloat16: Kind.BF16, torch.float16: Kind.F16}
-_ROUNDINGS = ("stochastic", "nearest")
-_KEY_WORDS = [int(Word.A_P), int(Word.B_P), int(Word.A_S), int(Word.B_S)]  # weight (a, b), statistics (a, b)
 _ALIGN = 16  # bytes
 
 
@@ -85,81 +81,6 @@ def _check_ready(device: torch.device) -> None:
             f"the fused SRAdamW kernel needs CUDA tensors (got {device.type}); set TRITON_INTERPRET=1 before "
             "optim.triton_kernel is imported to run it on CPU tensors"
         )
-
-
-def _validate(s: TensorStep) -> None:
-    """Raises ``ValueError`` on dtypes, sizes, devices, layouts or options the kernel cannot take."""
-    p = s.param
-    n, device = p.numel(), p.device
-    named = (("param", p), ("grad", s.grad), ("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq), ("master", s.master))
-    for name, t in named:
-        if t is None:
-            continue
-        if name == "master" and not (t.dtype == torch.float32 or (t.dtype == torch.int16 and p.dtype == torch.bfloat16)):
-            raise ValueError(f"master: dtype {t.dtype} is not supported (float32, or int16 low halves with a "
-                             "bfloat16 param)")
-        if name != "master" and t.dtype not in _KIND:
-            raise ValueError(f"{name}: dtype {t.dtype} is not supported (float32, bfloat16 or float16)")
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, param on {device}")
-        if t.numel() != n:
-            raise ValueError(f"{name} has {t.numel()} elements, param {n}")
-        if name in ("exp_avg", "exp_avg_sq", "master") and not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    for name, sc in (("exp_avg_scales", s.exp_avg_scales), ("exp_avg_sq_scales", s.exp_avg_sq_scales)):
-        if sc is not None and (
-            len(sc) != 2 or any(x.dtype != torch.float32 or x.numel() != 1 or x.device != device for x in sc)
-        ):
-            raise ValueError(f"{name} must be two 1-element float32 tensors on the param's device")
-    if s.weight_rounding not in _ROUNDINGS or s.state_rounding not in _ROUNDINGS:
-        bad = "weight_rounding" if s.weight_rounding not in _ROUNDINGS else "state_rounding"
-        raise ValueError(f"{bad} must be 'stochastic' or 'nearest', got {getattr(s, bad)!r}")
-    if s.clamp is not None and not (len(s.clamp) == 2 and float(s.clamp[0]) <= float(s.clamp[1])):
-        raise ValueError(f"clamp must be None or a (min, max) pair with min <= max, got {s.clamp!r}")
-    if s.index_offset < 0 or s.index_offset + n > 1 << 63:
-        raise ValueError(f"index_offset {s.index_offset} out of range")
-
-
-# ----------------------------------------------------------------------------------------------
-# Metadata rows (layout: optim._sradamw_jit.Word and Slot)
-# ----------------------------------------------------------------------------------------------
-def _int_words(s: TensorStep, param: torch.Tensor, grad: torch.Tensor) -> list[int]:
-    """The :class:`Word` part of one row."""
-    m_scales = s.exp_avg_scales if s.exp_avg_scales is not None else (None, None)
-    v_scales = s.exp_avg_sq_scales if s.exp_avg_sq_scales is not None else (None, None)
-    addresses = {
-        Word.P: param,
-        Word.G: grad,
-        Word.M: s.exp_avg,
-        Word.V: s.exp_avg_sq,
-        Word.MASTER: s.master,
-        Word.M_SCALE_OLD: m_scales[0],
-        Word.M_SCALE_NEW: m_scales[1],
-        Word.V_SCALE_OLD: v_scales[0],
-        Word.V_SCALE_NEW: v_scales[1],
-    }
-    row = [0] * len(Word)
-    for word, t in addresses.items():
-        row[word] = t.data_ptr() if t is not None else 0
-    row[Word.NUMEL] = param.numel()
-    row[Word.NOISE_BASE] = int(s.index_offset)
-    return row  # the key words are filled for the whole table at once (_metadata)
-
-
-def _float_slots(s: TensorStep, grad_mul: float) -> list[float]:
-    """The :class:`Slot` part of one row: :func:`optim.functional.hyperparameters`, padded to whole words."""
-    hp = hyperparameters(s, grad_mul)
-    return [hp[name] for name in HYPERPARAMETERS] + [0.0] * (len(Slot) % 2)
-
-
-def _metadata(items: Sequence[tuple[TensorStep, torch.Tensor, torch.Tensor]], grad_mul: float) -> torch.Tensor:
-    """The host metadata table of one dtype group: int64 ``[len(items), ROW_WORDS]``."""
-    ints = torch.tensor([_int_words(s, param, grad) for s, param, grad in items], dtype=torch.int64)
-    keys = torch.stack([key_pair(s.keys) for s, _, _ in items])  # [tensors, (weight, statistics)]
-    (a_p, b_p), (a_s, b_s) = key_words_tensor(keys[:, 0]), key_words_tensor(keys[:, 1])
-    ints[:, _KEY_WORDS] = torch.stack([a_p, b_p, a_s, b_s], 1)  # weight (a, b), statistics (a, b)
-    floats = torch.tensor([_float_slots(s, grad_mul) for s, _, _ in items], dtype=torch.float32)
-    return torch.cat([ints, floats.view(torch.int64)], dim=1).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,30 +128,6 @@ def _launch(blocks: torch.Tensor, device: torch.device, *args: Any, **kwargs: An
             kernel[(blocks.shape[0],)](*args, **kwargs)
     else:
         kernel[(blocks.shape[0],)](*args, **kwargs)
-
-
-def _specialisation(s: TensorStep, grad: torch.Tensor, aligned: bool, gmul_mode: int) -> tuple[tuple[str, Any], ...]:
-    """The kernel's constexpr arguments for one tensor (tensors with equal ones share a launch)."""
-    p_half = s.param.dtype != torch.float32
-    master = s.master is not None
-    master_code = Master.NONE if not master else (Master.SPLIT if s.master.dtype == torch.int16 else Master.F32)
-    return tuple(
-        dict(
-            P_KIND=_KIND[s.param.dtype],
-            G_KIND=_KIND[grad.dtype],
-            M_KIND=_KIND[s.exp_avg.dtype],
-            V_KIND=_KIND[s.exp_avg_sq.dtype],
-            MASTER=int(master_code),
-            SCALE_M=s.exp_avg_scales is not None,
-            SCALE_V=s.exp_avg_sq_scales is not None,
-            SR_P=p_half and not master and s.weight_rounding == "stochastic",
-            SR_M=s.exp_avg.dtype != torch.float32 and s.state_rounding == "stochastic",
-            SR_V=s.exp_avg_sq.dtype != torch.float32 and s.state_rounding == "stochastic",
-            GMUL=gmul_mode,
-            CLAMP=s.clamp is not None,
-            ALIGNED=aligned,
-        ).items()
-    )
 
 
 def sradamw_fused_(
@@ -286,16 +183,16 @@ def sradamw_fused_(
     for s in steps:
         if s.param.device != device:
             raise ValueError(f"all tensors must be on one device ({device}); got {s.param.device}")
-        _validate(s)
+        validate(s)
         param = s.param if s.param.is_contiguous() else s.param.contiguous()
         grad = s.grad.detach()
         grad = grad if grad.is_contiguous() else grad.contiguous()
         ptrs = [param, grad, s.exp_avg, s.exp_avg_sq] + ([s.master] if s.master is not None else [])
         aligned = all(t.data_ptr() % _ALIGN == 0 for t in ptrs)
-        groups.setdefault(_specialisation(s, grad, aligned, gmul_mode), []).append((s, param, grad))
+        groups.setdefault(specialisation(s, grad, gmul_mode, ALIGNED=aligned), []).append((s, param, grad))
 
     for constexprs, items in groups.items():
-        table = _upload(_metadata(items, gmul_value), device)
+        table = _upload(metadata(items, gmul_value), device)
         blocks = _block_table(tuple(param.numel() for _, param, _ in items), block, device)
         floats = table.view(torch.float32)
         _launch(

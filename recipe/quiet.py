@@ -14,6 +14,6 @@ def quiet_libraries() -> None:
     for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):  # DeepSpeed's ZeRO calls these
         warnings.filterwarnings("ignore", message=rf".*{op}.* is deprecated", category=FutureWarning)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao's enum registration
-    # torch.compile on a CPU-only machine (SRAdamW's compiled CPU update, --compile): "No CUDA runtime is
+    # torch.compile on a CPU-only machine (--compile): "No CUDA runtime is
     # found, using CUDA_HOME=..." when Inductor builds its C++ code; nothing the run can act on
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)

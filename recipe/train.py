@@ -429,9 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit code (0, 2 for a bad configuration, 1 for another
     error named on one line, 143 after a SIGTERM stop with a checkpoint saved)."""
     quiet_libraries()
-    # torch.compile (SRAdamW's compiled CPU update, --compile) compiles in this process: Inductor's
-    # default pool of compile-worker subprocesses shares the ranks' process group, so a Ctrl-C reaches
-    # the workers too, and a rank's exit could then wait on a pool that lost a worker
+    # torch.compile (--compile) compiles in this process: Inductor's default pool of compile-worker
+    # subprocesses shares the ranks' process group, so a Ctrl-C reaches the workers too, and a rank's
+    # exit could then wait on a pool that lost a worker
     import torch._inductor.config  # already imported with DeepSpeed; its environment variable is read then
 
     torch._inductor.config.compile_threads = 1

@@ -1,7 +1,7 @@
 """SRAdamW's default implementation on this device against its reference definition, bit for bit.
 
-The default (``fused=None``) is the fused Triton kernel on CUDA and the ``torch.compile``'d loop on
-the CPU; the reference is the eager PyTorch path (``fused=False``, :mod:`optim.functional`). Both
+The default (``fused=None``) is the fused Triton kernel on CUDA and the C++ kernel
+(:mod:`optim._cpu_kernel`) on the CPU; the reference is the eager PyTorch path (``fused=False``, :mod:`optim.functional`). Both
 run on the device, on identical copies of a few thousand elements per dtype route the run uses, for
 two steps with the run's step arguments (a device ``found_inf`` flag, and on the fp16 route an inverse
 loss scale applied inside the update); weights and every state tensor must have the same bits

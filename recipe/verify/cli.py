@@ -344,16 +344,12 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(rank, e, 2)
 
     import torch
-    import torch._inductor.config
     import torch.distributed as dist
 
     from recipe.engine import init_distributed
 
     from .common import local_world
 
-    # SRAdamW's compiled CPU update compiles in this process (as recipe.train: no worker pool that
-    # shares the ranks' process group)
-    torch._inductor.config.compile_threads = 1
     if torch.cuda.is_available():
         device = torch.device("cuda", _env_int("LOCAL_RANK", default=0))
         torch.cuda.set_device(device)

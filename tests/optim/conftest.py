@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from optim import _compiled
+from optim import _cpu_kernel
 
 
 @pytest.fixture(autouse=True)
 def eager_cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs ``SRAdamW(fused=None)`` on CPU tensors through the eager path (the definition) in every optim
-    test but tests/optim/test_compiled.py, which proves the compiled CPU path bit-identical to it for
-    every route: compiling each route the semantic tests touch would add minutes to the suite."""
-    if request.module.__name__.rsplit(".", 1)[-1] != "test_compiled":
-        monkeypatch.setattr(_compiled, "available", lambda: False)
+    test but tests/optim/test_cpu_kernel.py, which proves the CPU kernel bit-identical to it for every
+    route: the semantic tests then check the definition itself."""
+    if request.module.__name__.rsplit(".", 1)[-1] != "test_cpu_kernel":
+        monkeypatch.setattr(_cpu_kernel, "available", lambda: False)

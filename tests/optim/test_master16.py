@@ -4,7 +4,7 @@ References: the split/join pair against every float32 exponent and a float64 nea
 reference (ties away from zero); SRAdamW with ``master_format="split"`` against the same optimizer
 with a float32 master over many steps whose weights cross exponent boundaries, subnormals and zero:
 the joined master must equal the float32 master bit for bit at every step, on the eager path, the
-compiled CPU path and the (interpreted) fused kernel.
+CPU kernel and the (interpreted) fused kernel.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optim import SRAdamW, _compiled, _triton
+from optim import SRAdamW, _cpu_kernel, _triton
 from optim import triton_kernel as tk
 from optim.master16 import join_master, split_master
 
 from .sr_reference import assert_same_bits
 
-_COMPILE_WORKS = _compiled.available  # before the conftest fixture replaces it
+_KERNEL_BUILDS = _cpu_kernel.available  # before the conftest fixture replaces it
 
 
 def _patterns() -> torch.Tensor:
@@ -78,17 +78,17 @@ def _crafted(n: int, seed: int) -> tuple[list[torch.Tensor], list[list[torch.Ten
 
 
 def _run(path: str, fmt: str, monkeypatch: pytest.MonkeyPatch, params0, grads, check) -> None:
-    if path == "compiled":
-        if not _COMPILE_WORKS():
-            pytest.skip(f"torch.compile cannot build here: {_compiled.unavailable_reason()}")
-    monkeypatch.setattr(_compiled, "available", lambda: path == "compiled")  # conftest forces eager elsewhere
+    if path == "cpu kernel":
+        if not _KERNEL_BUILDS():
+            pytest.skip(f"the CPU kernel cannot be built here: {_cpu_kernel.unavailable_reason()}")
+    monkeypatch.setattr(_cpu_kernel, "available", lambda: path == "cpu kernel")  # conftest forces eager elsewhere
     ps = [torch.nn.Parameter(p.clone()) for p in params0]
     opt = SRAdamW(
         [{"params": ps[:1], "weight_decay": 0.1},
          {"params": ps[1:2], "weight_decay": 0.0, "lr": 1e-41},  # float32-subnormal steps on subnormal weights
          {"params": ps[2:], "weight_decay": 0.0, "clamp": (-3e-4, 3e-4)}],
         lr=3e-3, state_dtype=torch.float32, master_weights=True, master_format=fmt,
-        fused={"eager": False, "compiled": None, "kernel": True}[path],
+        fused={"eager": False, "cpu kernel": None, "kernel": True}[path],
     )
     for t, step_grads in enumerate(grads):
         for p, gr in zip(ps, step_grads):
@@ -99,7 +99,7 @@ def _run(path: str, fmt: str, monkeypatch: pytest.MonkeyPatch, params0, grads, c
 
 PATHS = [
     "eager",
-    "compiled",
+    "cpu kernel",
     pytest.param("kernel", marks=pytest.mark.skipif(not (_triton.is_available() and tk.interpreting()),
                                                     reason="the interpreted kernel runs on CPU tensors only here")),
 ]
@@ -142,7 +142,7 @@ def test_split_master_is_the_float32_master_bit_for_bit(path: str, monkeypatch: 
 
 
 def test_split_master_state_bytes_and_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_compiled, "available", lambda: False)
+    monkeypatch.setattr(_cpu_kernel, "available", lambda: False)
     params0, grads = _crafted(300, seed=2)
     ps = [torch.nn.Parameter(p.clone()) for p in params0]
     opt = SRAdamW(ps, lr=1e-3, state_dtype=torch.float32, master_weights=True)  # "split" is the default

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from optim import SRAdamW, _triton, sradamw_update_
+from optim import SRAdamW, _rows, _triton, sradamw_update_
 from optim import _sradamw_jit as jit
 from optim import triton_kernel as tk
-from optim._sradamw_jit import INT_WORDS, ROW_WORDS, Slot, Word
+from optim._rows import INT_WORDS, ROW_WORDS, Slot, Word
 from optim.functional import HYPERPARAMETERS
 from optim.rounding import _segment_word, derive_key, key_words, random_bits, round_with_bits
 
@@ -352,7 +352,7 @@ def test_metadata_rows_are_filled_by_name() -> None:
     s = tk.TensorStep(p, g, m, v, step=3, lr=1e-2, beta1=0.6, beta2=0.99, eps=1e-6, weight_decay=0.5, keys=keys,
                       master=w, exp_avg_scales=(scales[0], scales[1]), exp_avg_sq_scales=(scales[2], scales[3]),
                       clamp=(-1.0, 2.0), index_offset=5 << 33)
-    table = tk._metadata([(s, p, g)], grad_mul=0.25)
+    table = _rows.metadata([(s, p, g)], grad_mul=0.25)
     assert table.shape == (1, ROW_WORDS) and table.dtype == torch.int64
     row = table[0].tolist()
     tensors = {Word.P: p, Word.G: g, Word.M: m, Word.V: v, Word.MASTER: w, Word.M_SCALE_OLD: scales[0],

@@ -49,7 +49,7 @@ def test_launch_verify_passes_on_a_healthy_cpu_launch(tmp_path: Path) -> None:
     assert set(rows) == expected, rows
     assert set(rows.values()) <= {"PASS", "WARN"} and rows["loss clip chunked bf16"] == "PASS", rows
     assert all(rows[k] == "PASS" for k in expected if k.startswith(("loss", "optimizer"))), rows
-    assert "_compiled.compiled_updates_ vs eager" in res.stdout  # the default CPU path was the one compared
+    assert "_cpu_kernel.cpu_updates_ vs eager" in res.stdout  # the default CPU path was the one compared
     assert "Traceback" not in out
 
 
@@ -57,22 +57,22 @@ def _broken_worker(rank: int, world: int) -> tuple[int, str]:
     """One rank of a preflight in which rank 1's chunked loss, default optimizer path and reduce-scatter
     are each slightly wrong, and the memory given is far too small."""
     if rank == 1:
-        from optim import _compiled
+        from optim import _cpu_kernel
         from recipe.loss import clip
         from recipe.verify import check_comm
 
         chunked = clip.LOSS_MODES["chunked"]
         clip.LOSS_MODES["chunked"] = lambda *a: chunked(*a)._replace(ce_i2t=chunked(*a).ce_i2t * 1.001)
-        compiled = _compiled.compiled_updates_
+        kernel = _cpu_kernel.cpu_updates_
 
         def off_by_one_ulp(specs, **kw):
-            compiled(specs, **kw)
+            kernel(specs, **kw)
             for s in specs:
                 if s.param.numel() > 1:
                     bits = s.param.view(torch.int16 if s.param.element_size() == 2 else torch.int32)
                     bits[7] += 1  # one ulp up (both steps: never undone)
 
-        _compiled.compiled_updates_ = off_by_one_ulp
+        _cpu_kernel.cpu_updates_ = off_by_one_ulp
         run_op = check_comm._run
 
         def wrong_sum(op, out, inp, timeout):
