@@ -219,7 +219,8 @@ def cpu_updates_(
             raise ValueError("found_inf must be a 1-element tensor")
         skip = _cpu_float(found_inf)
 
-    groups: dict[tuple, list[tuple[TensorStep, torch.Tensor, torch.Tensor]]] = {}
+    items: list[tuple[TensorStep, torch.Tensor, torch.Tensor]] = []
+    groups: dict[tuple, list[int]] = {}  # specialisation -> rows of the table
     for s in steps:
         if s.param.device.type != "cpu":
             raise ValueError(f"the SRAdamW CPU kernel takes CPU tensors, got one on {s.param.device}")
@@ -227,14 +228,16 @@ def cpu_updates_(
         param = s.param if s.param.is_contiguous() else s.param.contiguous()
         grad = s.grad.detach()
         grad = grad if grad.is_contiguous() else grad.contiguous()
-        groups.setdefault(specialisation(s, grad, gmul_mode), []).append((s, param, grad))
+        groups.setdefault(specialisation(s, grad, gmul_mode), []).append(len(items))
+        items.append((s, param, grad))
 
+    table = metadata(items, gmul_value)  # every row at once; items keeps the addressed tensors alive
     threads = torch.get_num_threads()
-    for spec, items in groups.items():
-        table = metadata(items, gmul_value)  # keeps the addresses' tensors alive in items
-        _kernel(spec)(table.data_ptr(), len(items), skip.data_ptr() if skip is not None else None,
+    for spec, rows in groups.items():
+        part = table if len(groups) == 1 else table[torch.tensor(rows)]
+        _kernel(spec)(part.data_ptr(), len(rows), skip.data_ptr() if skip is not None else None,
                       gmul_tensor.data_ptr() if gmul_tensor is not None else None, threads)
-        for s, param, _ in items:
-            if param is not s.param:
-                s.param.copy_(param)
+    for s, param, _ in items:
+        if param is not s.param:
+            s.param.copy_(param)
     return len(groups)

@@ -82,12 +82,16 @@ def step_kwargs(opt: SRAdamW, **kwargs: Any) -> Iterator[None]:
         del opt.step
 
 
-def grad_multiplier(module: torch.nn.Module, prec: Precision) -> tuple[torch.Tensor, torch.Tensor | None]:
+def grad_multiplier(params: torch.nn.Module | list[torch.Tensor], prec: Precision
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Recipe-managed routes: ``(multiplier, norm)``, the inverse loss scale (fp16; 1 for bf16) times
     the clipping factor of the unscaled global gradient norm, and that norm (None without clipping),
-    as device scalars (no host read; a non-finite norm makes the optimizer's gradient check skip)."""
+    as device scalars (no host read; a non-finite norm makes the optimizer's gradient check skip).
+    ``params``: the module, or its parameters as a list."""
     inv = 1.0 / prec.loss_scaler.scale if prec.loss_scaler is not None else 1.0
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if isinstance(params, torch.nn.Module):
+        params = list(params.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     if prec.recipe_clip <= 0 or not grads:
         return torch.tensor(inv, dtype=torch.float32, device=device), None
@@ -160,9 +164,10 @@ def train_step(
     kwargs: dict[str, Any] = {"found_inf": flags[:1]}  # [loss non-finite, stop], on any rank
     grad_norm = None
     if prec.recipe_managed:
-        allreduce_gradients(list(engine.module.parameters()))
+        params = list(engine.module.parameters())  # one walk of the module tree for both
+        allreduce_gradients(params)
         if prec.loss_scaler is not None or prec.recipe_clip > 0:
-            kwargs["inv_grad_scale"], grad_norm = grad_multiplier(engine.module, prec)
+            kwargs["inv_grad_scale"], grad_norm = grad_multiplier(params, prec)
     ours = isinstance(opt, SRAdamW)
     skipped_before = opt.skipped_steps if ours else 0
     with step_kwargs(opt, **kwargs) if ours else contextlib.nullcontext():
