@@ -48,6 +48,11 @@ REPO = Path(__file__).resolve().parents[2]
 #: Preference between equally good candidates: the recipe's default first, the fp32 reference last.
 _CONFIG_ORDER = ("zero2_bf16_halfmaster", "zero1_bf16_halfmaster", "zero3_bf16_halfmaster", "zero0_bf16_sr",
                  "zero0_fp16_sr_lossscale", "zero2_fp32")
+#: On one GPU bf16 at ZeRO-0 comes first: nothing to shard, so ZeRO's partition copy of the weights and
+#: its per-step machinery (gradient buckets, its norm and clip, the weight copy) only cost memory and
+#: time (ViT-B-32: 11.48 against 13.48 bytes per parameter; CPU train step 1.01x OpenCLIP's samples/s
+#: against 0.80x for ZeRO-2, benchmarks/RESULTS.md).
+_ONE_GPU_FIRST = "zero0_bf16_sr"
 
 
 class PlanError(ValueError):
@@ -80,10 +85,14 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def ds_configs() -> list[Path]:
-    """The DeepSpeed JSONs the planner chooses from (``ds_configs/*.json``), preferred first."""
+def ds_configs(gpus: int | None = None) -> list[Path]:
+    """The DeepSpeed JSONs the planner chooses from (``ds_configs/*.json``), preferred first (for
+    ``gpus == 1``: bf16 at ZeRO-0 first)."""
     found = sorted((REPO / "ds_configs").glob("*.json"))
-    rank = {name: i for i, name in enumerate(_CONFIG_ORDER)}
+    order = _CONFIG_ORDER
+    if gpus == 1:
+        order = (_ONE_GPU_FIRST, *(name for name in _CONFIG_ORDER if name != _ONE_GPU_FIRST))
+    rank = {name: i for i, name in enumerate(order)}
     return sorted(found, key=lambda p: (rank.get(p.stem, len(rank)), p.stem))
 
 
@@ -319,7 +328,8 @@ def plan(
     Candidates: every ``ds_configs/*.json`` (or only ``ds_config``), gradient checkpointing off and
     on (or as given), every micro-batch dividing ``global_batch / gpus`` (accumulation = the
     quotient). Among those that fit: no checkpointing first, then the fewest accumulation steps, then
-    the preferred JSON (the recipe's default ``zero2_bf16_halfmaster`` first), then the least memory.
+    the preferred JSON (the recipe's default ``zero2_bf16_halfmaster`` first; on one GPU
+    ``zero0_bf16_sr``), then the least memory.
 
     Raises:
         PlanError: Bad input, or nothing fits (the message names the term that is too big).
@@ -335,7 +345,7 @@ def plan(
     memory = parse_memory(gpu_memory) if isinstance(gpu_memory, str) else int(gpu_memory)
     usable = int(memory * (1 - headroom))
     spec = _spec(model)
-    configs = [ds_config] if ds_config is not None else ds_configs()
+    configs = [ds_config] if ds_config is not None else ds_configs(gpus)
     ckpts = (False, True) if checkpointing is None else (bool(checkpointing),)
     per_gpu = global_batch // gpus
     micros = [m for m in _divisors_desc(per_gpu) if max_micro_batch is None or m <= max_micro_batch]
