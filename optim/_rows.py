@@ -100,9 +100,14 @@ def validate(s: TensorStep) -> None:
         if name in ("exp_avg", "exp_avg_sq", "master") and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     for name, sc in (("exp_avg_scales", s.exp_avg_scales), ("exp_avg_sq_scales", s.exp_avg_sq_scales)):
-        if sc is not None and (
-            len(sc) != 2 or any(x.dtype != torch.float32 or x.numel() != 1 or x.device != device for x in sc)
-        ):
+        if sc is None:
+            continue
+        if isinstance(sc, torch.Tensor):  # one [2] tensor (old, new), as SRAdamW hands them
+            ok = sc.shape == (2,) and sc.dtype == torch.float32 and sc.device == device
+        else:
+            ok = len(sc) == 2 and all(isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.numel() == 1
+                                      and x.device == device for x in sc)
+        if not ok:
             raise ValueError(f"{name} must be two 1-element float32 tensors on the param's device")
     if s.weight_rounding not in _ROUNDINGS or s.state_rounding not in _ROUNDINGS:
         bad = "weight_rounding" if s.weight_rounding not in _ROUNDINGS else "state_rounding"
@@ -148,20 +153,24 @@ def _specialisation(p_dt, g_dt, m_dt, v_dt, master_dt, scale_m, scale_v, weight_
     )
 
 
-_ADDRESS_WORDS = (int(Word.P), int(Word.G), int(Word.M), int(Word.V), int(Word.MASTER), int(Word.M_SCALE_OLD),
-                  int(Word.M_SCALE_NEW), int(Word.V_SCALE_OLD), int(Word.V_SCALE_NEW))
+_ADDRESS_WORDS = (int(Word.P), int(Word.G), int(Word.M), int(Word.V), int(Word.MASTER))
+_M_OLD, _M_NEW = int(Word.M_SCALE_OLD), int(Word.M_SCALE_NEW)
+_V_OLD, _V_NEW = int(Word.V_SCALE_OLD), int(Word.V_SCALE_NEW)
 _NUMEL, _NOISE_BASE = int(Word.NUMEL), int(Word.NOISE_BASE)
 
 
 def _int_words(s: TensorStep, param: torch.Tensor, grad: torch.Tensor) -> list[int]:
     """The :class:`Word` part of one row (the key words are filled for the whole table at once)."""
-    m_scales = s.exp_avg_scales if s.exp_avg_scales is not None else (None, None)
-    v_scales = s.exp_avg_sq_scales if s.exp_avg_sq_scales is not None else (None, None)
     row = [0] * INT_WORDS
-    tensors = (param, grad, s.exp_avg, s.exp_avg_sq, s.master, m_scales[0], m_scales[1], v_scales[0], v_scales[1])
-    for word, t in zip(_ADDRESS_WORDS, tensors):
+    for word, t in zip(_ADDRESS_WORDS, (param, grad, s.exp_avg, s.exp_avg_sq, s.master)):
         if t is not None:
             row[word] = t.data_ptr()
+    for (old, new), scales in (((_M_OLD, _M_NEW), s.exp_avg_scales), ((_V_OLD, _V_NEW), s.exp_avg_sq_scales)):
+        if isinstance(scales, torch.Tensor) and scales.is_contiguous():  # float32 [2]: old, then new
+            row[old] = scales.data_ptr()
+            row[new] = row[old] + 4
+        elif scales is not None:
+            row[old], row[new] = scales[0].data_ptr(), scales[1].data_ptr()
     row[_NUMEL] = param.numel()
     row[_NOISE_BASE] = int(s.index_offset)
     return row
