@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -162,7 +163,8 @@ def grad_amax(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def available() -> bool:
-    """Whether the kernel builds and runs on this machine (checked once, on the bf16 route)."""
+    """Whether the kernel builds and runs on this machine (checked once, on the bf16 route). When it
+    does not, a ``RuntimeWarning`` says why once (SRAdamW then runs the eager path, ~20x slower)."""
     global _ERROR
     if _ERROR is None:
         try:
@@ -172,8 +174,12 @@ def available() -> bool:
             cpu_updates_([s])
             grad_amax([s.grad])
             _ERROR = ""
-        except Exception as exc:  # noqa: BLE001 - no compiler, unsupported platform...
+        except Exception as exc:  # noqa: BLE001 - no compiler, unsupported platform, unwritable cache...
             _ERROR = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            warnings.warn(f"SRAdamW's CPU kernel cannot be built here ({_ERROR}); CPU tensors take the eager "
+                          f"path (the same results, ~20x slower). Set CXX to a C++ compiler, or "
+                          f"SRADAMW_CPU_CACHE to a writable directory (now {_cache_dir()}).", RuntimeWarning,
+                          stacklevel=2)
     return _ERROR == ""
 
 
