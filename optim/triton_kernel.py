@@ -9,11 +9,11 @@ back, rounding half-precision values stochastically with the counter-based noise
 :mod:`optim.rounding` (one hash per element for the two statistics, one for the weight), generated in
 the kernel: no noise tensor is read or written.
 
-Multi-tensor launch (the chosen design): per step the host builds one small int64 *metadata table*
-per group, a row per tensor holding its data pointers (p, g, m, v, master, the four scale scalars),
-its length, its first noise index, the key words of its two noise keys and its float32 hyperparameters
-(bit-packed in the same row; the layout is defined by name in :mod:`optim._sradamw_jit`, which holds
-the device code), and uploads it with one asynchronous copy. A cached *block table*
+Multi-tensor launch (the chosen design): per step the host builds one small int64 *metadata table*,
+a row per tensor holding its data pointers (p, g, m, v, master, the four scale scalars), its length,
+its first noise index, the key words of its two noise keys and its float32 hyperparameters (bit-packed
+in the same row; the layout is defined by name in :mod:`optim._rows`, shared with the CPU kernel), with
+each group's rows contiguous, and uploads it with one asynchronous copy. A cached *block table*
 maps each program to ``(tensor row, block within the tensor)``. Every program loads its row (a few
 scalars, cached), turns the addresses into typed pointers and streams one block of ``BLOCK``
 elements with 64-bit offsets. Full blocks take an unmasked path so the loads and stores vectorise
@@ -191,8 +191,13 @@ def sradamw_fused_(
         aligned = all(t.data_ptr() % _ALIGN == 0 for t in ptrs)
         groups.setdefault(specialisation(s, grad, gmul_mode, ALIGNED=aligned), []).append((s, param, grad))
 
+    # one table for every group (its rows contiguous per group) and one upload; each launch reads its rows
+    ordered = [item for items in groups.values() for item in items]
+    all_rows = _upload(metadata(ordered, gmul_value), device)
+    start = 0
     for constexprs, items in groups.items():
-        table = _upload(metadata(items, gmul_value), device)
+        table = all_rows[start:start + len(items)]
+        start += len(items)
         blocks = _block_table(tuple(param.numel() for _, param, _ in items), block, device)
         floats = table.view(torch.float32)
         _launch(
@@ -202,9 +207,9 @@ def sradamw_fused_(
             **dict(constexprs), HAS_SKIP=skip is not None, BLOCK=block,
             num_warps=warps, enable_fp_fusion=False,
         )
-        for s, param, _ in items:
-            if param is not s.param:
-                s.param.copy_(param)
+    for s, param, _ in ordered:
+        if param is not s.param:
+            s.param.copy_(param)
     return len(groups)
 
 
