@@ -15,7 +15,8 @@
 # Every other argument goes to `python -m recipe.train` (`bash launch.sh --help` lists them). Relative paths
 # are taken from the directory you run this from. Without --train-data (or --config / --resume) the
 # demo's settings are the defaults and your arguments override them.
-# Environment: NUM_GPUS, DS_CONFIG, OUTPUT_DIR, DATA_DIR (demo data), HOSTFILE, MASTER_ADDR, MASTER_PORT.
+# Environment: NUM_GPUS, DS_CONFIG (default ds_configs/zero2_bf16_halfmaster.json; zero0_bf16_sr.json on one
+# rank), OUTPUT_DIR, DATA_DIR (demo data), HOSTFILE, MASTER_ADDR, MASTER_PORT.
 # SIGTERM (preemption) makes every rank save a checkpoint at the next step boundary and exit (code 143);
 # SIGINT (Ctrl-C) stops every rank at once.
 set -euo pipefail
@@ -49,16 +50,21 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 
+# the default DeepSpeed JSON: ZeRO-2; on one rank bf16 at ZeRO-0 (nothing to shard: ZeRO's partition
+# copy and per-step work only cost memory and time; `python -m recipe.plan --gpus 1` prefers it too)
+DEFAULT_DS=$REPO/ds_configs/zero2_bf16_halfmaster.json
+if [[ -z ${HOSTFILE:-} && $NUM_GPUS == 1 ]]; then DEFAULT_DS=$REPO/ds_configs/zero0_bf16_sr.json; fi
+
 args=()
 if [[ $module == recipe.verify ]]; then
   # the run's DeepSpeed JSON (a --ds-config among the arguments comes later and wins); no run directory, no data
-  args+=(--ds-config "${DS_CONFIG:-$REPO/ds_configs/zero2_bf16_halfmaster.json}")
+  args+=(--ds-config "${DS_CONFIG:-$DEFAULT_DS}")
 else
   resuming=false
   if has --resume "$@" || has --config "$@"; then resuming=true; fi
   # the run's own DeepSpeed JSON when resuming (from its config.json), the default otherwise
   if [[ -n ${DS_CONFIG:-} ]] || ! $resuming; then
-    args+=(--deepspeed_config "${DS_CONFIG:-$REPO/ds_configs/zero2_bf16_halfmaster.json}")
+    args+=(--deepspeed_config "${DS_CONFIG:-$DEFAULT_DS}")
   fi
   if ! has --output-dir "$@"; then
     args+=(--output-dir "${OUTPUT_DIR:-runs/synthetic-$(date +%Y%m%d-%H%M%S)}")

@@ -94,6 +94,19 @@ def test_demo_defaults_are_overridden_by_arguments_relative_to_the_caller(work: 
     assert shm_files() <= before
 
 
+def test_one_rank_defaults_to_bf16_at_zero0(work: Path) -> None:
+    """NUM_GPUS=1 without DS_CONFIG: the planner's one-GPU choice, bf16 at ZeRO-0, trains and evaluates."""
+    e = env(work, NUM_GPUS="1")
+    e.pop("DS_CONFIG")
+    res = subprocess.run(["bash", str(LAUNCH), *SMALL, "--output-dir", "runs/one"], cwd=work, env=e,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    cfg = json.loads((work / "runs" / "one" / "config.json").read_text())
+    assert cfg["deepspeed_config"] == str(ROOT / "ds_configs" / "zero0_bf16_sr.json")
+    assert "bf16/zero0, 1 ranks x micro-batch 64" in res.stdout, res.stdout[-2000:]
+    assert json.loads((work / "runs" / "one" / "final_metrics.json").read_text())["steps"] == 4
+
+
 def test_resume_uses_the_runs_config_and_never_replays_rows(work: Path) -> None:
     res = launch(work, "--train-data", "data/train.csv", "--val-data", "data/val.csv", *SMALL, "--output-dir", "runs/r")
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
