@@ -14,7 +14,8 @@ results equal the eager path's bit for bit (tests/optim/test_cpu_kernel.py).
 Building: one shared library per specialisation, compiled on first use with the C++ compiler that
 ``torch.compile`` would use (``$CXX``, else ``c++``/``g++``; ~1 s each) and cached under
 ``$SRADAMW_CPU_CACHE`` (default ``~/.cache/clip-sr-recipe/sradamw_cpu``), keyed by the source, the
-flags, the compiler's version and the CPU's features (the code is built for the host CPU). A library
+flags, the compiler's version and the CPU's features (the code is built for the host CPU; a compiler
+that refuses OpenMP or ``-march=native`` gets a build without them: one thread, the same bits). A library
 is written under a temporary name and renamed into place, so ranks that build at the same time never
 load a half-written file. :func:`available` says whether building works here and
 :func:`unavailable_reason` why not; ``SRAdamW`` then falls back to the eager path.
@@ -46,6 +47,12 @@ SOURCE = Path(__file__).with_name("csrc") / "sradamw_cpu.cpp"
 AMAX_SOURCE = SOURCE.with_name("grad_amax_cpu.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
          "-std=c++20", "-shared", "-fPIC")
+#: What is tried when a compiler refuses FLAGS (no OpenMP: one thread; no -march=native: the compiler's
+#: default target). The results are the same bits: none of these flags changes a rounding.
+FALLBACK_FLAGS = (
+    tuple(f for f in FLAGS if f != "-fopenmp"),
+    tuple(f for f in FLAGS if f not in ("-fopenmp", "-march=native")),
+)
 
 _FNS: dict[tuple, Any] = {}
 _LOCK = threading.Lock()
@@ -95,23 +102,39 @@ def _cache_dir() -> Path:
     return Path(base) / "clip-sr-recipe" / "sradamw_cpu"
 
 
-def library_path(spec: tuple[tuple[str, Any], ...] | None, source: Path = SOURCE) -> Path:
-    """Where the library of one specialisation of ``source`` is cached (built or not); ``spec`` None:
-    a source without specialisations."""
-    args = [*FLAGS, *(_defines(spec) if spec is not None else [])]
+def library_path(spec: tuple[tuple[str, Any], ...] | None, source: Path = SOURCE, flags: tuple[str, ...] = FLAGS
+                 ) -> Path:
+    """Where the library of one specialisation of ``source`` built with ``flags`` is cached (built or
+    not); ``spec`` None: a source without specialisations."""
+    args = [*flags, *(_defines(spec) if spec is not None else [])]
     key = hashlib.sha256("\0".join([source.read_text(), *args, _host_signature()]).encode()).hexdigest()[:24]
     return _cache_dir() / f"{source.stem}_{key}.so"
 
 
 def _build(spec: tuple[tuple[str, Any], ...] | None, source: Path = SOURCE) -> Path:
-    path = library_path(spec, source)
-    if path.exists():
-        return path
+    """The cached library, or a new one: FLAGS first, then each of FALLBACK_FLAGS (a compiler without
+    OpenMP or ``-march=native``); the first failure's message when none builds."""
+    choices = (FLAGS, *FALLBACK_FLAGS)
+    for flags in choices:
+        path = library_path(spec, source, flags)
+        if path.exists():
+            return path
+    first_error = None
+    for flags in choices:
+        try:
+            return _compile(spec, source, flags)
+        except RuntimeError as exc:
+            first_error = first_error or exc
+    raise first_error
+
+
+def _compile(spec: tuple[tuple[str, Any], ...] | None, source: Path, flags: tuple[str, ...]) -> Path:
+    path = library_path(spec, source, flags)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        cmd = [_compiler(), *FLAGS, *(_defines(spec) if spec is not None else []), str(source), "-o", tmp]
+        cmd = [_compiler(), *flags, *(_defines(spec) if spec is not None else []), str(source), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"building the SRAdamW CPU kernel failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")

@@ -198,3 +198,29 @@ def test_grad_amax_matches_torch(dtype: torch.dtype) -> None:
                 assert torch.isnan(got[i]), (i, got[i])
             else:
                 assert_same_bits(got[i], want, f"tensor {i}")
+
+
+
+def test_a_compiler_refusing_openmp_or_native_flags_still_builds(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first flag set is refused (an unknown flag stands in for -fopenmp on a compiler without
+    OpenMP): a fallback set builds, and the kernel gives the eager path's bits."""
+    monkeypatch.setenv("SRADAMW_CPU_CACHE", str(tmp_path / "cache"))
+    fresh = importlib.reload(_cpu_kernel)
+    try:
+        monkeypatch.setattr(fresh, "FLAGS", (*fresh.FLAGS, "-fno-such-flag-here"))
+        assert fresh.available(), fresh.unavailable_reason()
+        assert len(list((tmp_path / "cache").glob("*.so"))) == 2  # the update route and the maxima
+        assert all(not fresh.library_path(None, fresh.AMAX_SOURCE, flags).exists() for flags in [fresh.FLAGS])
+        gen = torch.Generator().manual_seed(3)
+        tensors = [torch.randn(5000, generator=gen).bfloat16() for _ in range(4)]
+        tensors[3] = tensors[3].abs()
+        kw = dict(step=3, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, keys=(5, 6))
+        a, b = [x.clone() for x in tensors], [x.clone() for x in tensors]
+        apply_update_(TensorStep(*a, **kw))
+        fresh.cpu_updates_([TensorStep(*b, **kw)])
+        for x, y in zip(a, b):
+            assert_same_bits(x, y)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(_cpu_kernel)
