@@ -11,8 +11,8 @@ Bit-exactness: compiled without floating-point contraction or fast-math (every p
 correctly rounded float32 operation, the square root and the division are the IEEE ones); the
 results equal the eager path's bit for bit (tests/optim/test_cpu_kernel.py).
 
-Building: one shared library per specialisation, compiled on first use with the C++ compiler that
-``torch.compile`` would use (``$CXX``, else ``c++``/``g++``; ~1 s each) and cached under
+Building: one shared library per specialisation, compiled on first use with the system's C++ compiler
+(``$CXX``, else ``c++``/``g++``/``clang++``; ~0.4 s each) and cached under
 ``$SRADAMW_CPU_CACHE`` (default ``~/.cache/clip-sr-recipe/sradamw_cpu``), keyed by the source, the
 flags, the compiler's version and the CPU's features (the code is built for the host CPU; a compiler
 that refuses OpenMP or ``-march=native`` gets a build without them: one thread, the same bits). A library
