@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ._rows import INT_WORDS, ROW_WORDS, Slot, Word, metadata, specialisation, validate
+from ._rows import INT_WORDS, ROW_WORDS, Slot, Word, check, metadata, specialisation
 from .functional import TensorStep
 
 __all__ = ["cpu_updates_", "grad_amax", "available", "unavailable_reason", "library_path"]
@@ -221,6 +221,7 @@ def cpu_updates_(
     *,
     grad_mul: torch.Tensor | float | None = None,
     found_inf: torch.Tensor | None = None,
+    states_checked: bool = False,
 ) -> int:
     """Applies one step to each tensor (CPU tensors), one kernel call per specialisation.
 
@@ -228,6 +229,8 @@ def cpu_updates_(
         specs: The tensors and their per-tensor hyperparameters.
         grad_mul: Multiplies every gradient first (an inverse loss scale): a float or a 1-element tensor.
         found_inf: Optional 1-element flag; nonzero: nothing changes.
+        states_checked: The caller checked the states and options once (``SRAdamW``); each call then
+            checks the gradients and sizes only (:func:`optim._rows.check`).
 
     Returns:
         The number of kernel calls.
@@ -253,9 +256,9 @@ def cpu_updates_(
     for s in steps:
         if s.param.device.type != "cpu":
             raise ValueError(f"the SRAdamW CPU kernel takes CPU tensors, got one on {s.param.device}")
-        validate(s)
-        param = s.param if s.param.is_contiguous() else s.param.contiguous()
         grad = s.grad.detach()
+        check(s, grad, states_checked)
+        param = s.param if s.param.is_contiguous() else s.param.contiguous()
         grad = grad if grad.is_contiguous() else grad.contiguous()
         groups.setdefault(specialisation(s, grad, gmul_mode), []).append(len(items))
         items.append((s, param, grad))

@@ -26,7 +26,7 @@ from .functional import HYPERPARAMETERS, TensorStep, hyperparameters, key_pair
 from .rounding import key_words_tensor
 
 __all__ = [
-    "Word", "Slot", "Kind", "Master", "INT_WORDS", "ROW_WORDS", "KIND", "validate", "specialisation",
+    "Word", "Slot", "Kind", "Master", "INT_WORDS", "ROW_WORDS", "KIND", "check", "validate", "specialisation",
     "metadata",
 ]
 
@@ -78,6 +78,20 @@ class Master(IntEnum):
 KIND = {torch.float32: Kind.F32, torch.bfloat16: Kind.BF16, torch.float16: Kind.F16}
 _ROUNDINGS = ("stochastic", "nearest")
 _KEY_WORDS = [int(Word.A_P), int(Word.B_P), int(Word.A_S), int(Word.B_S)]  # weight (a, b), statistics (a, b)
+
+
+def check(s: TensorStep, grad: torch.Tensor, states_checked: bool) -> None:
+    """The per-call check of one tensor: everything (:func:`validate`), or with ``states_checked``
+    (SRAdamW checked its states, roundings and clamp once, when it created or loaded them) only what
+    can change between steps: the gradient, and the sizes every address of the row depends on. Any
+    doubt falls through to :func:`validate`, which names the problem."""
+    if states_checked:
+        p = s.param
+        n = p.numel()
+        if (grad.dtype in KIND and grad.numel() == n and grad.device == p.device and s.exp_avg.numel() == n
+                and s.exp_avg_sq.numel() == n and (s.master is None or s.master.numel() == n)):
+            return
+    validate(s)
 
 
 def validate(s: TensorStep) -> None:

@@ -40,8 +40,10 @@ def _fused_kernel() -> Any:
     return triton_kernel
 
 
-def _pytorch_updates_(specs: list[TensorStep], *, grad_mul: Any = None, found_inf: Any = None) -> None:
-    """The PyTorch path over a list of tensors (one at a time)."""
+def _pytorch_updates_(specs: list[TensorStep], *, grad_mul: Any = None, found_inf: Any = None,
+                      states_checked: bool = False) -> None:
+    """The PyTorch path over a list of tensors (one at a time; it checks nothing: torch's ops raise on
+    mismatched sizes)."""
     for spec in specs:
         apply_update_(spec, grad_mul=grad_mul, found_inf=found_inf)
 
@@ -80,6 +82,25 @@ def _grad_amax(grads: list[torch.Tensor]) -> torch.Tensor:
         ends = [torch.aminmax(g) for g in grads]
         return torch.stack([torch.maximum(lo.abs(), hi.abs()) for lo, hi in ends]).to(torch.float32)
     return torch.stack(torch._foreach_norm(grads, float("inf"))).to(torch.float32)
+
+
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_state(p: torch.Tensor, state: dict[str, Any], name: str) -> None:
+    """A loaded state fits its parameter (checked once, at load: the kernels then check only the
+    gradients per step). ``ValueError`` names the parameter and the state entry."""
+    n = p.numel()
+    for key in ("exp_avg", "exp_avg_sq", "master", "master_low"):
+        t = state.get(key)
+        if t is None:
+            continue
+        ok_dtype = (t.dtype in _STATE_DTYPES if key.startswith("exp") else
+                    t.dtype == torch.float32 if key == "master" else
+                    t.dtype == torch.int16 and p.dtype == torch.bfloat16)
+        if t.numel() != n or not ok_dtype:
+            raise ValueError(f"SRAdamW.load_state_dict: {name} ({tuple(p.shape)}, {p.dtype}) does not match its "
+                             f"saved {key!r} ({tuple(t.shape)}, {t.dtype})")
 
 
 def _validate_group(group: dict[str, Any]) -> None:
@@ -551,7 +572,8 @@ class SRAdamW(Optimizer):
         self._derive_keys([s for items in specs.values() for s in items], rank)
         for device, items in specs.items():
             self._f16_scales(items, grad_mul, skips[device], maxima.get(device))  # one implementation per device; the kernel: one launch per dtype group
-            self._update_for(device)(items, grad_mul=grad_mul, found_inf=skips[device])
+            # the states were checked when created or loaded (_check_state): the kernels check the gradients
+            self._update_for(device)(items, grad_mul=grad_mul, found_inf=skips[device], states_checked=True)
         if pending is not None:
             pending.states = [self.state[s.param] for items in specs.values() for s in items]
             self._pending = pending
@@ -583,12 +605,13 @@ class SRAdamW(Optimizer):
         super().load_state_dict(saved)
         saved_ids = [pid for g in saved["param_groups"] for pid in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(saved_ids, params):
+        for i, (pid, p) in enumerate(zip(saved_ids, params)):
             if pid not in saved["state"]:
                 continue
             for k, v in saved["state"][pid].items():
                 if isinstance(v, torch.Tensor) and k != "step":
-                    self.state[p][k] = v.to(device=p.device)
+                    self.state[p][k] = v.to(device=p.device, memory_format=torch.contiguous_format)
+            _check_state(p, self.state[p], f"parameter {i}")
         for group in self.param_groups:
             group["betas"] = tuple(group["betas"])
             _validate_group(group)

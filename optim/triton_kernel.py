@@ -43,7 +43,7 @@ import torch
 
 from . import _sradamw_jit as _jit
 from . import _triton
-from ._rows import metadata, specialisation, validate
+from ._rows import check, metadata, specialisation
 from .functional import TensorStep
 
 __all__ = [
@@ -137,6 +137,7 @@ def sradamw_fused_(
     found_inf: torch.Tensor | None = None,
     block_size: int | None = None,
     num_warps: int | None = None,
+    states_checked: bool = False,
 ) -> int:
     """Applies one SRAdamW step to many tensors with one kernel launch per dtype group.
 
@@ -148,6 +149,8 @@ def sradamw_fused_(
             (read on the device, no synchronisation).
         block_size: Elements per program (a power of two, default :data:`DEFAULT_BLOCK`).
         num_warps: Warps per program on the GPU (default :data:`DEFAULT_NUM_WARPS`).
+        states_checked: The caller checked the states and options once (``SRAdamW``); each call then
+            checks the gradients and sizes only (:func:`optim._rows.check`).
 
     Returns:
         The number of kernel launches issued.
@@ -183,9 +186,9 @@ def sradamw_fused_(
     for s in steps:
         if s.param.device != device:
             raise ValueError(f"all tensors must be on one device ({device}); got {s.param.device}")
-        validate(s)
-        param = s.param if s.param.is_contiguous() else s.param.contiguous()
         grad = s.grad.detach()
+        check(s, grad, states_checked)
+        param = s.param if s.param.is_contiguous() else s.param.contiguous()
         grad = grad if grad.is_contiguous() else grad.contiguous()
         ptrs = [param, grad, s.exp_avg, s.exp_avg_sq] + ([s.master] if s.master is not None else [])
         aligned = all(t.data_ptr() % _ALIGN == 0 for t in ptrs)

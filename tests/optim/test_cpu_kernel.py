@@ -224,3 +224,21 @@ def test_a_compiler_refusing_openmp_or_native_flags_still_builds(tmp_path: Path,
     finally:
         monkeypatch.undo()
         importlib.reload(_cpu_kernel)
+
+
+def test_states_are_checked_once_and_sizes_every_step() -> None:
+    """SRAdamW checks its states when it loads them (a state of another size is named there), and the
+    kernel still checks every step the sizes its addresses depend on (a parameter resized under the
+    optimizer is named instead of being read out of bounds)."""
+    small = [torch.nn.Parameter(torch.randn(10).bfloat16())]
+    small[0].grad = torch.randn(10).bfloat16()
+    opt = SRAdamW(small, lr=1e-3)
+    opt.step()
+    big = [torch.nn.Parameter(torch.randn(12).bfloat16())]
+    with pytest.raises(ValueError, match=r"parameter 0 \(\(12,\), torch.bfloat16\) does not match its saved 'exp_avg'"):
+        SRAdamW(big, lr=1e-3).load_state_dict(opt.state_dict())
+
+    small[0].data = torch.randn(12).bfloat16()  # resized under the optimizer: its states have 10 elements
+    small[0].grad = torch.randn(12).bfloat16()
+    with pytest.raises(ValueError, match="exp_avg has 10 elements, param 12"):
+        opt.step()
