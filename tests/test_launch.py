@@ -103,7 +103,8 @@ def test_one_rank_defaults_to_bf16_at_zero0(work: Path) -> None:
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     cfg = json.loads((work / "runs" / "one" / "config.json").read_text())
     assert cfg["deepspeed_config"] == str(ROOT / "ds_configs" / "zero0_bf16_sr.json")
-    assert "bf16/zero0, 1 ranks x micro-batch 64" in res.stdout, res.stdout[-2000:]
+    assert "(bf16/zero0, 1 ranks, " in res.stdout, res.stdout[-2000:]  # the closing summary
+    assert "bf16/zero0, 1 ranks x micro-batch 64" in res.stdout + res.stderr  # the opening line
     assert json.loads((work / "runs" / "one" / "final_metrics.json").read_text())["steps"] == 4
 
 
