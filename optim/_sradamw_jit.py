@@ -11,6 +11,7 @@ is still defined and the kernel names are ``None``.
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Any
 
 from ._triton import load

@@ -42,7 +42,6 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
@@ -272,12 +271,11 @@ def update_block_(
     sr_m: bool,
     sr_v: bool,
     clamp: bool,
-    sqrt_fn=torch.sqrt,
 ) -> None:
     """The update of one block of elements, in place: the definition, as tensor operations.
 
-    Runs eagerly on chunks (:func:`apply_update_`, with ``sqrt_fn`` the float64 route to a correctly
-    rounded square root); the CPU kernel (``optim/csrc/sradamw_cpu.cpp``) and the Triton kernel
+    Runs eagerly on chunks (:func:`apply_update_`; the square root through float64, correctly rounded
+    on any build: :func:`_sqrt_ieee`); the CPU kernel (``optim/csrc/sradamw_cpu.cpp``) and the Triton kernel
     (``optim._sradamw_jit``) compute it element for element. Every argument that changes per step is a
     tensor.
 
@@ -300,8 +298,7 @@ def update_block_(
     gf = g.to(f32)
     if grad_mul is not None:
         gf = gf * grad_mul
-    # the exact master in 2 bytes (optim.master16): int16 low halves (or int32 holding the same values)
-    split = master is not None and master.dtype in (torch.int16, torch.int32)
+    split = master is not None and master.dtype == torch.int16  # the exact master in 2 bytes (optim.master16)
     if split:
         w = join_master(p, master)
     else:
@@ -314,7 +311,7 @@ def update_block_(
     vf = vf * v_decay + (gf * gf) * v_in
     v_true = vf if v_out is None else vf * v_out
     w = w + (mf * (hp[_HP["neg_step"]] if m_out is None else hp[_HP["neg_step"]] * m_out)) / (
-        sqrt_fn(v_true) + hp[_HP["eps_hat"]])
+        _sqrt_ieee(v_true) + hp[_HP["eps_hat"]])
     if clamp:  # NaN stays NaN
         lo, hi = hp[_HP["clamp_min"]], hp[_HP["clamp_max"]]
         w = torch.where(w < lo, lo, torch.where(w > hi, hi, w))
@@ -399,12 +396,6 @@ def lo_tensor(at: int, device: torch.device) -> torch.Tensor:
     return _cached(("lo", at, device), lambda: torch.tensor(_as_i32(at & _M32), dtype=torch.int32, device=device))
 
 
-def words_table(specs: Sequence[TensorStep]) -> torch.Tensor:
-    """int32 ``[len(specs), 4]`` (CPU): :func:`segment_words` of every tensor's keys for high half 0, in
-    a few tensor operations for all tensors (per tensor they cost ~150 us of host time)."""
-    return segment_words(torch.stack([key_pair(s.keys) for s in specs]), 0)
-
-
 def rounding_flags(s: TensorStep) -> tuple[bool, bool, bool]:
     """Whether the weight, ``exp_avg`` and ``exp_avg_sq`` are written with stochastic rounding."""
     sr_p = s.param.dtype != torch.float32 and s.master is None and s.weight_rounding == "stochastic"
@@ -468,7 +459,7 @@ def apply_update_(
         lo0 = lo_tensor(at & _M32, torch.device(device))
         chunk = [t[start:start + length] if t is not None else None for t in flat]
         update_block_(*chunk, hp, words, lo0, m_scales, v_scales, gmul, skip, sr_p, sr_m, sr_v,
-                      s.clamp is not None, sqrt_fn=_sqrt_ieee)
+                      s.clamp is not None)
     if param is not s.param:
         s.param.copy_(param)
 
