@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ._rows import INT_WORDS, ROW_WORDS, Slot, Word, check, metadata, specialisation
+from ._rows import INT_WORDS, ROW_WORDS, Slot, Word, call_arguments, copy_back, metadata, prepare, specialisation
 from .functional import TensorStep
 
 __all__ = ["cpu_updates_", "grad_amax", "available", "unavailable_reason", "library_path"]
@@ -238,28 +238,14 @@ def cpu_updates_(
     steps = [s for s in specs if s.param.numel() > 0]
     if not steps:
         return 0
-    gmul_mode, gmul_value, gmul_tensor = 0, 1.0, None
-    if isinstance(grad_mul, torch.Tensor):
-        if grad_mul.numel() != 1:
-            raise ValueError("grad_mul must be a scalar or a 1-element tensor")
-        gmul_mode, gmul_tensor = 2, _cpu_float(grad_mul)
-    elif grad_mul is not None:
-        gmul_mode, gmul_value = 1, float(grad_mul)
-    skip = None
-    if found_inf is not None:
-        if not isinstance(found_inf, torch.Tensor) or found_inf.numel() != 1:
-            raise ValueError("found_inf must be a 1-element tensor")
-        skip = _cpu_float(found_inf)
+    gmul_mode, gmul_value, gmul_tensor, skip = call_arguments(grad_mul, found_inf, _cpu_float)
 
     items: list[tuple[TensorStep, torch.Tensor, torch.Tensor]] = []
     groups: dict[tuple, list[int]] = {}  # specialisation -> rows of the table
     for s in steps:
         if s.param.device.type != "cpu":
             raise ValueError(f"the SRAdamW CPU kernel takes CPU tensors, got one on {s.param.device}")
-        grad = s.grad.detach()
-        check(s, grad, states_checked)
-        param = s.param if s.param.is_contiguous() else s.param.contiguous()
-        grad = grad if grad.is_contiguous() else grad.contiguous()
+        param, grad = prepare(s, states_checked)
         groups.setdefault(specialisation(s, grad, gmul_mode), []).append(len(items))
         items.append((s, param, grad))
 
@@ -269,7 +255,5 @@ def cpu_updates_(
         part = table if len(groups) == 1 else table[torch.tensor(rows)]
         _kernel(spec)(part.data_ptr(), len(rows), skip.data_ptr() if skip is not None else None,
                       gmul_tensor.data_ptr() if gmul_tensor is not None else None, threads)
-    for s, param, _ in items:
-        if param is not s.param:
-            s.param.copy_(param)
+    copy_back(items)
     return len(groups)

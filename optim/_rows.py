@@ -16,7 +16,7 @@ as constants. Imports torch only (no Triton).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import IntEnum
 from typing import Any
 
@@ -27,7 +27,7 @@ from .rounding import key_words_tensor
 
 __all__ = [
     "Word", "Slot", "Kind", "Master", "INT_WORDS", "ROW_WORDS", "KIND", "check", "validate", "specialisation",
-    "metadata",
+    "metadata", "call_arguments", "prepare", "copy_back",
 ]
 
 
@@ -78,6 +78,45 @@ class Master(IntEnum):
 KIND = {torch.float32: Kind.F32, torch.bfloat16: Kind.BF16, torch.float16: Kind.F16}
 _ROUNDINGS = ("stochastic", "nearest")
 _KEY_WORDS = [int(Word.A_P), int(Word.B_P), int(Word.A_S), int(Word.B_S)]  # weight (a, b), statistics (a, b)
+
+
+def call_arguments(
+    grad_mul: torch.Tensor | float | None, found_inf: torch.Tensor | None,
+    place: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[int, float, torch.Tensor | None, torch.Tensor | None]:
+    """A kernel call's per-call arguments, checked: ``(gmul_mode, gmul_value, gmul_tensor, skip)``.
+    ``gmul_mode`` 0: no multiplier, 1: the float ``gmul_value`` in the rows' ``grad_mul`` slot, 2: the
+    1-element tensor ``gmul_tensor``; ``skip``: ``found_inf`` or None. ``place`` puts a 1-element tensor
+    where the kernel reads it (float32 ``[1]``, never read on the host)."""
+    gmul_mode, gmul_value, gmul_tensor = 0, 1.0, None
+    if isinstance(grad_mul, torch.Tensor):
+        if grad_mul.numel() != 1:
+            raise ValueError("grad_mul must be a scalar or a 1-element tensor")
+        gmul_mode, gmul_tensor = 2, place(grad_mul)
+    elif grad_mul is not None:
+        gmul_mode, gmul_value = 1, float(grad_mul)
+    skip = None
+    if found_inf is not None:
+        if not isinstance(found_inf, torch.Tensor) or found_inf.numel() != 1:
+            raise ValueError("found_inf must be a 1-element tensor")
+        skip = place(found_inf)
+    return gmul_mode, gmul_value, gmul_tensor, skip
+
+
+def prepare(s: TensorStep, states_checked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(param, grad)`` of one row, checked (:func:`check`) and contiguous (a non-contiguous parameter
+    is updated through a copy: :func:`copy_back`)."""
+    grad = s.grad.detach()
+    check(s, grad, states_checked)
+    param = s.param if s.param.is_contiguous() else s.param.contiguous()
+    return param, grad if grad.is_contiguous() else grad.contiguous()
+
+
+def copy_back(items: Sequence[tuple[TensorStep, torch.Tensor, torch.Tensor]]) -> None:
+    """Writes the updated copies of non-contiguous parameters back (:func:`prepare`)."""
+    for s, param, _ in items:
+        if param is not s.param:
+            s.param.copy_(param)
 
 
 def check(s: TensorStep, grad: torch.Tensor, states_checked: bool) -> None:

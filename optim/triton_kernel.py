@@ -43,7 +43,7 @@ import torch
 
 from . import _sradamw_jit as _jit
 from . import _triton
-from ._rows import check, metadata, specialisation
+from ._rows import call_arguments, copy_back, metadata, prepare, specialisation
 from .functional import TensorStep
 
 __all__ = [
@@ -169,27 +169,13 @@ def sradamw_fused_(
         raise ValueError(f"block_size must be a power of two >= 16, got {block}")
     warps = DEFAULT_NUM_WARPS if num_warps is None else int(num_warps)
 
-    gmul_mode, gmul_value, gmul_tensor = 0, 1.0, None
-    if isinstance(grad_mul, torch.Tensor):
-        if grad_mul.numel() != 1:
-            raise ValueError("grad_mul must be a scalar or a 1-element tensor")
-        gmul_mode, gmul_tensor = 2, _flag_on(grad_mul, device)
-    elif grad_mul is not None:
-        gmul_mode, gmul_value = 1, float(grad_mul)
-    skip = None
-    if found_inf is not None:
-        if not isinstance(found_inf, torch.Tensor) or found_inf.numel() != 1:
-            raise ValueError("found_inf must be a 1-element tensor")
-        skip = _flag_on(found_inf, device)
+    gmul_mode, gmul_value, gmul_tensor, skip = call_arguments(grad_mul, found_inf, lambda x: _flag_on(x, device))
 
     groups: dict[tuple, list[tuple[TensorStep, torch.Tensor, torch.Tensor]]] = {}
     for s in steps:
         if s.param.device != device:
             raise ValueError(f"all tensors must be on one device ({device}); got {s.param.device}")
-        grad = s.grad.detach()
-        check(s, grad, states_checked)
-        param = s.param if s.param.is_contiguous() else s.param.contiguous()
-        grad = grad if grad.is_contiguous() else grad.contiguous()
+        param, grad = prepare(s, states_checked)
         ptrs = [param, grad, s.exp_avg, s.exp_avg_sq] + ([s.master] if s.master is not None else [])
         aligned = all(t.data_ptr() % _ALIGN == 0 for t in ptrs)
         groups.setdefault(specialisation(s, grad, gmul_mode, ALIGNED=aligned), []).append((s, param, grad))
@@ -210,9 +196,7 @@ def sradamw_fused_(
             **dict(constexprs), HAS_SKIP=skip is not None, BLOCK=block,
             num_warps=warps, enable_fp_fusion=False,
         )
-    for s, param, _ in ordered:
-        if param is not s.param:
-            s.param.copy_(param)
+    copy_back(ordered)
     return len(groups)
 
 
