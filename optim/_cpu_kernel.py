@@ -107,7 +107,8 @@ def library_path(spec: tuple[tuple[str, Any], ...] | None, source: Path = SOURCE
     """Where the library of one specialisation of ``source`` built with ``flags`` is cached (built or
     not); ``spec`` None: a source without specialisations."""
     args = [*flags, *(_defines(spec) if spec is not None else [])]
-    key = hashlib.sha256("\0".join([source.read_text(), *args, _host_signature()]).encode()).hexdigest()[:24]
+    texts = [source.read_text(), *(h.read_text() for h in sorted(source.parent.glob("*.h")))]  # + the headers
+    key = hashlib.sha256("\0".join([*texts, *args, _host_signature()]).encode()).hexdigest()[:24]
     return _cache_dir() / f"{source.stem}_{key}.so"
 
 

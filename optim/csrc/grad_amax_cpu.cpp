@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "float_bits.h"
+
 #ifndef BLOCK
 #define BLOCK 65536
 #endif
@@ -19,34 +21,28 @@
 #define MIN_PARALLEL 262144  // fewer elements in a call: one thread
 #endif
 
-static inline float float_of(uint32_t x) { return __builtin_bit_cast(float, x); }
-
-static uint32_t block_max(int64_t address, int32_t kind, int64_t start, int64_t n) {
-    if (kind == 0) {
-        const uint32_t* x = reinterpret_cast<const uint32_t*>(address) + start;
-        uint32_t m = 0;
-        for (int64_t j = 0; j < n; ++j) {
-            uint32_t a = x[j] & 0x7FFFFFFFu;
-            m = a > m ? a : m;
-        }
-        return m;
-    }
-    const uint16_t* x = reinterpret_cast<const uint16_t*>(address) + start;
-    uint16_t m = 0;
+// the largest magnitude pattern (sign bit cleared) of n elements of bit type T
+template <typename T>
+static uint32_t max_magnitude(const T* x, int64_t n) {
+    const T clear_sign = (T)~((T)1 << (8 * sizeof(T) - 1));
+    T m = 0;
     for (int64_t j = 0; j < n; ++j) {
-        uint16_t a = x[j] & 0x7FFFu;
+        T a = x[j] & clear_sign;
         m = a > m ? a : m;
     }
     return m;
+}
+
+static uint32_t block_max(int64_t address, int32_t kind, int64_t start, int64_t n) {
+    if (kind == 0) return max_magnitude(reinterpret_cast<const uint32_t*>(address) + start, n);
+    return max_magnitude(reinterpret_cast<const uint16_t*>(address) + start, n);
 }
 
 // a largest-magnitude pattern of the tensor's dtype as a float32 value (exact)
 static float widen(uint32_t m, int32_t kind) {
     if (kind == 0) return float_of(m);
     if (kind == 1) return float_of(m << 16);  // bfloat16
-    if (m >= 0x7C00u) return float_of((m << 13) | 0x7F800000u);  // float16 inf / NaN
-    if (m < 0x0400u) return (float)(int32_t)m * 0x1p-24f;  // float16 subnormal (or zero)
-    return float_of((m << 13) + 0x38000000u);
+    return widen_f16(m);
 }
 
 // ptrs, numels, kinds (0 float32, 1 bfloat16, 2 float16): n tensors; out: float32 [n]

@@ -21,6 +21,8 @@
 #include <cstring>
 #include <cmath>
 
+#include "float_bits.h"
+
 #ifndef BLOCK
 #define BLOCK 16384  // elements per block (a thread's unit of work)
 #endif
@@ -44,19 +46,6 @@ typedef float w_t;
 #else
 typedef int16_t w_t;
 #endif
-
-static inline uint32_t bits_of(float x) { return __builtin_bit_cast(uint32_t, x); }
-static inline float float_of(uint32_t x) { return __builtin_bit_cast(float, x); }
-
-// float16 bits -> float32, exact, in integer operations (no denormal arithmetic: a flush-to-zero
-// mode cannot change it): normal values by rebiasing the exponent, subnormal ones as m * 2**-24
-static inline float widen_f16(uint32_t h) {
-    uint32_t em = h & 0x7FFFu;
-    uint32_t normal = (em << 13) + 0x38000000u;
-    uint32_t sub = bits_of((float)(int32_t)em * 0x1p-24f);
-    uint32_t mag = em >= 0x7C00u ? ((em << 13) | 0x7F800000u) : (em < 0x0400u ? sub : normal);
-    return float_of(mag | ((h & 0x8000u) << 16));
-}
 
 // float32 -> float16 bits, round to nearest even (torch's conversion: overflow -> inf, NaN -> 0x7E00):
 // the scaled float addition rounds the significand at float16's position, normal and subnormal alike
