@@ -18,6 +18,9 @@ no master (``--weights`` must then be ``module``, its default with ``--ema``). A
 One file per job: :mod:`.run` (a run's model from its checkpoint), :mod:`.masters` (the fp32 masters
 out of the optimizer state), :mod:`.atomic` (an output directory appears whole or not at all),
 :mod:`.open_clip` (+ :mod:`.open_clip_read`) and :mod:`.hf` (the two formats, both directions).
+
+Every export holds ``recipe_export.json`` (:data:`MARKER`); ``--overwrite`` replaces only such a
+directory, and never one that is, contains or lies inside the source run (:func:`check_output`).
 """
 
 from __future__ import annotations
@@ -25,19 +28,21 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from ..model import CLIPConfig
 from ..tokenizer import Tokenizer
-from .atomic import write_directory
+from .atomic import MARKER, check_output, write_directory
 from .masters import read_masters
-from .run import DTYPES, WEIGHTS, LoadedRun, load_run, parse_dtype
+from .run import DTYPES, WEIGHTS, LoadedRun, find_checkpoint, load_run, parse_dtype
 
 __all__ = [
     "FORMATS",
+    "MARKER",
     "Imported",
     "LoadedRun",
     "UnsupportedExport",
@@ -50,6 +55,7 @@ __all__ = [
     "read_pretrained",
     "detect_format",
     "write_directory",
+    "check_output",
 ]
 
 
@@ -99,12 +105,19 @@ def export_run(
     ``weights``: ``"master"`` (the default without ``ema``): the optimizer's fp32 masters where it keeps
     them, the module weights elsewhere; ``"module"`` (the default with ``ema``): the module (or EMA)
     weights alone (see the package docstring). The output directory appears complete or not at all
-    (:func:`write_directory`).
+    (:func:`write_directory`), with ``recipe_export.json`` (:data:`MARKER`: format, dtype, weights, the
+    source run and checkpoint, the recipe's git revision, the time).
+
+    ``out`` may be missing or an empty directory; ``overwrite`` lets it be an earlier export (a directory
+    holding ``recipe_export.json``), which is replaced. Nothing else is ever replaced, nor any directory
+    that is, contains or lies inside the source run (real paths: symbolic links are followed): those are
+    refused before the checkpoint is read. A new ``out`` inside the run (``RUN/export``) is fine.
 
     Raises:
         ValueError: An unknown format, dtype or weights, or ``weights="master"`` with ``ema``.
         UnsupportedExport: The model cannot be represented exactly in ``fmt``.
-        FileExistsError: ``out`` exists and ``overwrite`` is false.
+        FileExistsError: ``out`` may not be replaced (:func:`check_output`; the message says what is there);
+            the checkpoint was not read, nothing was written.
     """
     return _export(run_dir, fmt, out, dtype, overwrite, ema, weights)[0]
 
@@ -116,11 +129,42 @@ def _export(run_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, dtype:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     torch_dtype = parse_dtype(dtype)
     weights = weights or ("module" if ema else "master")
+    tag_dir, source = find_checkpoint(run_dir)
+    protected = _source_dirs(tag_dir, source)
+    check_output(out, protected, overwrite)  # before anything is read
     # exact fp32 copies of the saved weights (and masters); cast when written
-    run = load_run(run_dir, torch.float32, ema=ema, weights=weights)
+    run = load_run(tag_dir, torch.float32, ema=ema, weights=weights)
     writer = _writers()[fmt]
-    path = write_directory(out, lambda tmp, final: writer(run, tmp, torch_dtype, final=final), overwrite=overwrite)
+    path = write_directory(out, lambda tmp, final: writer(run, tmp, torch_dtype, final=final), overwrite=overwrite,
+                           protected=protected, marker=_marker(run, fmt, dtype))
     return path, run
+
+
+def _source_dirs(tag_dir: Path, run_dir: Path) -> tuple[Path, ...]:
+    """The real paths of what an export reads, which its output must not replace: the run directory (when
+    it is one, with ``model_config.json``; :func:`load_run` refuses it otherwise), its checkpoints
+    directory and the tag directory (elsewhere when ``checkpoints/`` or the tag is a symbolic link)."""
+    dirs = [run_dir.resolve()] if (run_dir / "model_config.json").is_file() else []
+    dirs += [tag_dir.parent.resolve(), tag_dir.resolve()]
+    return tuple(dict.fromkeys(dirs))
+
+
+def _marker(run: LoadedRun, fmt: str, dtype: str) -> dict[str, Any]:
+    """The fields of an export's ``recipe_export.json`` (:data:`MARKER`)."""
+    from ..rundir import git_revision
+
+    return {
+        "format": fmt,
+        "dtype": dtype,
+        "weights": run.provenance()["source"],
+        "master_params": len(run.master_names),
+        "saved_dtype": str(run.saved_dtype).replace("torch.", ""),
+        "run_dir": str(run.run_dir.resolve()),
+        "checkpoint": run.tag_dir.name,
+        "step": run.step,
+        "git_revision": git_revision(),
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def detect_format(directory: str | os.PathLike) -> str:

@@ -21,7 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("run_dir", help="run directory (its latest complete checkpoint) or one checkpoint tag directory")
     ap.add_argument("--format", required=True, choices=FORMATS, help="open_clip (local-dir:) or hf (CLIPModel)")
-    ap.add_argument("--out", required=True, help="output directory (must not exist, or be empty)")
+    ap.add_argument("--out", required=True,
+                    help="output directory: new or empty (or, with --overwrite, an earlier export that is not "
+                         "inside the source run); never the run or a directory around it")
     ap.add_argument("--dtype", default="fp32", choices=tuple(DTYPES),
                     help="dtype of the written weights (bf16/fp16: the fp32 values rounded to nearest)")
     ap.add_argument("--weights", choices=WEIGHTS, default=None,
@@ -30,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "and the module weights for the other parameters; module: the module weights alone "
                          "(model_weights.pt, the run's bf16/fp16 weights as it trained and evaluated; the default "
                          "with --ema)")
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier export (a directory holding recipe_export.json) at --out; nothing "
+                         "else is ever replaced")
     ap.add_argument("--ema", action="store_true",
                     help="export the EMA weights (a run trained with --ema-decay); they have no fp32 master, so "
                          "--weights master is refused with --ema")

@@ -61,6 +61,7 @@ from torch import nn
 from ..model import CLIP, CLIPConfig, ImageTowerConfig, TextTowerConfig, create_model
 from ..tokenizer import Tokenizer, load_tokenizer
 from . import Imported, UnsupportedExport
+from .atomic import MARKER
 from .run import LoadedRun
 
 logger = logging.getLogger(__name__)
@@ -481,12 +482,11 @@ def write(run: LoadedRun, out: Path, dtype: torch.dtype, final: Path | None = No
     processor = CLIPImageProcessor(**plan.processor).to_dict()
     processor.update(image_processor_type="CLIPImageProcessor", processor_class="CLIPProcessor")
     (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2, sort_keys=True) + "\n")
-    note = {"source": str(run.tag_dir), "step": run.step, "saved_dtype": str(run.saved_dtype).replace("torch.", ""),
-            "weights": run.provenance(),
-            "token_id_swap": list(plan.swap) if plan.swap else None,
+    # the Hugging Face particulars; recipe.export.write_directory adds the source, dtype, weights... to MARKER
+    note = {"token_id_swap": list(plan.swap) if plan.swap else None,
             "note": "token ids in token_id_swap are exchanged relative to the run's tokenizer "
                     "(transformers pools CLIP text at argmax(input_ids) when eos_token_id == 2)"}
-    (out / "recipe_export.json").write_text(json.dumps(note, indent=2) + "\n")
+    (out / MARKER).write_text(json.dumps(note, indent=2) + "\n")
     _verify_tokenizer(run.tokenizer, plan, out)
 
 

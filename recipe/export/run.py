@@ -34,7 +34,7 @@ from ..model import CLIP, CLIPConfig, create_model
 from ..tokenizer import Tokenizer, load_tokenizer
 from .masters import has_optimizer_state, read_masters
 
-__all__ = ["LoadedRun", "load_run", "build_architecture", "DTYPES", "WEIGHTS", "parse_dtype"]
+__all__ = ["LoadedRun", "load_run", "find_checkpoint", "build_architecture", "DTYPES", "WEIGHTS", "parse_dtype"]
 
 #: ``--dtype`` names.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -111,6 +111,23 @@ def build_architecture(run_dir: str | os.PathLike) -> tuple[CLIPConfig, Tokenize
     return config, tokenizer, create_model(config=config, tokenizer=tokenizer, text_load_weights=False)
 
 
+def find_checkpoint(path: str | os.PathLike) -> tuple[Path, Path]:
+    """The checkpoint tag directory :func:`load_run` reads for ``path`` (a run directory's ``latest``
+    complete checkpoint, its ``checkpoints/`` directory's, or a tag directory itself) and the run
+    directory owning it (the tag directory's grandparent). Reads the ``latest`` file and the
+    ``COMPLETE`` markers only.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        recipe.checkpoint.CheckpointError: No complete checkpoint there.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"run directory not found: {path}")
+    tag_dir = checkpoint.resolve(str(path), path / "checkpoints")
+    return tag_dir, tag_dir.parent.parent
+
+
 def load_run(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, ema: bool = False, weights: str = "module"
 ) -> LoadedRun:
@@ -135,11 +152,7 @@ def load_run(
     if ema and weights == "master":
         raise ValueError("the EMA weights have no fp32 master (the average is kept in the weights' dtype): "
                          "export them with --weights module, or the masters without --ema")
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"run directory not found: {path}")
-    tag_dir = checkpoint.resolve(str(path), path / "checkpoints")
-    run_dir = tag_dir.parent.parent
+    tag_dir, run_dir = find_checkpoint(path)
     # the architecture as trained, randomly initialised, then the saved weights
     _, tokenizer, model = build_architecture(run_dir)
     weights_path = tag_dir / (checkpoint.EMA_WEIGHTS if ema else checkpoint.MODEL_WEIGHTS)
