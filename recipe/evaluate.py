@@ -24,17 +24,24 @@ What is evaluated:
 
 Unreadable or corrupt images are skipped and counted (``eval_skipped``, ``<name>_skipped`` for the
 zero-shot data). Standalone evaluation prints one JSON line of metrics and writes them, with what was
-evaluated, to ``RUN_DIR/eval_<name>_step<N>.json`` (``imagenet``, the prompt file's name, or ``val``;
-``eval_<name>_ema_step<N>.json`` with ``--ema``).
+evaluated, to ``RUN_DIR/eval_<name>_step<N>.json`` (``eval_<name>_ema_step<N>.json`` with ``--ema``).
+``<name>`` is named by the data: the zero-shot class names given (``imagenet``, a ``--zeroshot`` file's
+stem), each dataset's folder and file stem, and 8 hex digits of a SHA-1 of what identifies the data (the
+resolved paths, format, split, columns and zero-shot class names of each dataset), e.g.
+``eval_imagenet-val-1f0c2a9e_step300.json`` for ``/data/imagenet/val``. Two different datasets never
+share a file; evaluating the same data at the same step again replaces its own file. The JSON records
+the datasets under ``datasets`` (the same fields, and which role each had: ``val_data``, ``zeroshot_data``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Iterable
@@ -44,7 +51,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .config import DataConfig
-from .data import SKIP_REASONS, build_eval_loader
+from .data import SKIP_REASONS, build_eval_loader, expand_paths
+from .data.paths import canonical_format, detect_format
 from .zeroshot import IMAGENET, ZeroShotPrompts, find_zeroshot_file, get_zeroshot_prompts
 
 __all__ = [
@@ -55,6 +63,9 @@ __all__ = [
     "evaluate",
     "evaluate_data",
     "load_prompts",
+    "evaluated_datasets",
+    "dataset_record",
+    "result_name",
     "main",
 ]
 
@@ -226,8 +237,13 @@ def evaluate(
 def load_prompts(data: DataConfig, images: str | None = None) -> ZeroShotPrompts | None:
     """The zero-shot prompts for the images ``images`` (default: ``data.val_data``): ``data.zeroshot``
     (``imagenet`` or a file) or a ``zeroshot.json`` found next to the images; None when there is none."""
-    spec = data.zeroshot or find_zeroshot_file(images or data.val_data)
+    spec = _prompt_spec(data, images)
     return get_zeroshot_prompts(spec) if spec else None
+
+
+def _prompt_spec(data: DataConfig, images: str | None = None) -> str | None:
+    """``data.zeroshot``, else the ``zeroshot.json`` found next to ``images`` (default: ``data.val_data``)."""
+    return data.zeroshot or find_zeroshot_file(images or data.val_data)
 
 
 def _eval_loader(data: DataConfig, tokenize: Any, image_cfg: Any, batch_size: int, rank: int, world: int,
@@ -287,13 +303,60 @@ def evaluate_data(
     return metrics
 
 
-def _output_name(data: DataConfig) -> str:
-    """``imagenet``, the stem of a ``--zeroshot`` file, or ``val``."""
-    if data.zeroshot == IMAGENET:
-        return IMAGENET
-    if data.zeroshot:
-        return Path(data.zeroshot).stem
-    return "val"
+def evaluated_datasets(data: DataConfig) -> list[tuple[str, str, str | None]]:
+    """``(role, data path, zero-shot class names or None)`` of each dataset :func:`evaluate_data` reads,
+    in its order: ``val_data`` (classified too unless there is ``zeroshot_data``), ``zeroshot_data``."""
+    if data.zeroshot_data:
+        retrieval = [("val_data", data.val_data, None)] if data.val_data else []
+        return retrieval + [("zeroshot_data", data.zeroshot_data, _prompt_spec(data, data.zeroshot_data))]
+    return [("val_data", data.val_data, _prompt_spec(data))] if data.val_data else []
+
+
+def dataset_record(data: DataConfig, role: str, path: str, prompts: str | None) -> dict[str, Any]:
+    """What identifies one evaluated dataset: its resolved paths (symbolic links followed), format,
+    split, columns and the zero-shot class names (``imagenet``, or the resolved prompt file)."""
+    paths = [os.path.realpath(p) for p in expand_paths(path)]
+    return {
+        "role": role,
+        "paths": paths,
+        "format": canonical_format(data.data_format) if data.data_format else detect_format(paths),
+        "split": data.val_split,
+        "columns": {"image": data.image_column, "caption": data.caption_column, "label": data.label_column},
+        "zeroshot": prompts if prompts in (None, IMAGENET) else os.path.realpath(prompts),
+        "zeroshot_from": None if prompts is None else ("--zeroshot" if data.zeroshot else "found next to the data"),
+    }
+
+
+#: Path patterns (brace ranges, globs), left out of a result's name.
+_PATTERN = re.compile(r"\{[^}]*\}|\[[^\]]*\]|[*?]")
+
+
+def _name_token(text: str) -> str:
+    """``text`` as a file-name token: letters, digits and dots, other runs one ``-`` (never ``_``, which
+    separates the parts of ``eval_<name>_ema_step<N>``), at most 32 characters."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-.")[:32].strip("-.")
+
+
+def _data_tokens(path: str) -> list[str]:
+    """The folder and stem of a dataset's (first) path, patterns left out: ``/data/imagenet/val`` ->
+    imagenet, val; ``/data/cc3m/val-{0000..0009}.tar`` -> cc3m, val."""
+    first = Path(os.path.abspath(os.path.expanduser(str(path).split("::")[0])))
+    stem = _PATTERN.sub("", first.name).split(".")[0]
+    return [_name_token(_PATTERN.sub("", first.parent.name)), _name_token(stem)]
+
+
+def result_name(data: DataConfig, datasets: list[dict[str, Any]]) -> str:
+    """The ``<name>`` of ``eval_<name>_step<N>.json``: readable tokens (the ``--zeroshot`` class names,
+    each dataset's folder and stem; a token equal to the one before it is left out) and 8 hex digits
+    of the SHA-1 of ``datasets`` (:func:`dataset_record` of each), which tell any two datasets apart."""
+    tokens: list[str] = []
+    for _, path, prompts in evaluated_datasets(data):
+        named = [_name_token(Path(prompts).stem)] if prompts and data.zeroshot else []  # "imagenet" is its stem
+        for token in named + _data_tokens(path):
+            if token and (not tokens or tokens[-1] != token):
+                tokens.append(token)
+    digest = hashlib.sha1(json.dumps(datasets, sort_keys=True).encode()).hexdigest()[:8]
+    return "-".join(tokens + [digest])
 
 
 def _summary(metrics: dict[str, float]) -> str:
@@ -313,7 +376,7 @@ def _summary(metrics: dict[str, float]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Evaluates a saved checkpoint on one process, prints one JSON line of metrics and writes them
-    to ``<run>/eval_<name>_step<N>.json``."""
+    to ``<run>/eval_<name>_step<N>.json`` (``<name>``: :func:`result_name`), replacing that file atomically."""
     from . import checkpoint
     from .config import config_from_dict
     from .model import CLIPConfig, create_model
@@ -372,11 +435,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     metrics = evaluate_data(model, data, tokenizer, args.batch_size, progress=not args.no_progress)
     metrics["step"] = json.loads((tag_dir / checkpoint.COMPLETE).read_text())["step"]
     shown = {k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v) for k, v in metrics.items()}
+    datasets = [dataset_record(data, *d) for d in evaluated_datasets(data)]
     record = {
         **metrics, "checkpoint": str(tag_dir), "val_data": data.val_data, "zeroshot_data": data.zeroshot_data,
-        "zeroshot": data.zeroshot, "weights": weights.name,
+        "zeroshot": data.zeroshot, "weights": weights.name, "datasets": datasets,
     }
-    out = run_dir / f"eval_{_output_name(data)}{'_ema' if args.ema else ''}_step{metrics['step']}.json"
+    out = run_dir / f"eval_{result_name(data, datasets)}{'_ema' if args.ema else ''}_step{metrics['step']}.json"
     checkpoint.atomic_write_bytes(out, json.dumps(record, indent=1).encode())
     text = _summary(metrics)
     print((text + "\n" if text else "") + f"written to {out}", file=sys.stderr, flush=True)

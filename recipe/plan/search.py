@@ -31,6 +31,7 @@ from recipe.precision import read_ds_config, resolve_precision
 
 from .activations import ActivationBytes, measure_activations, measure_loss
 from .states import ModelLayout, ModelSpec, build_meta_model, model_layout, state_bytes
+from .vocab import vocabulary_note
 
 __all__ = [
     "REPO",
@@ -102,7 +103,9 @@ class MemoryPrediction:
 
     ``bytes_per_param`` holds the census's kinds per model parameter (``weights``, ``partitions``,
     ``grads``, ``optimizer_state``, ``buffers``: ZeRO's reduce buckets, fixed-size, divided by the
-    parameter count for comparison); the ``*_bytes`` fields are absolute.
+    parameter count for comparison); the ``*_bytes`` fields are absolute. ``buffer_bytes`` are all
+    reduce buckets, ``backward_buffer_bytes`` the part of them that exists during backward only
+    (ZeRO-1/2's); :meth:`peak_terms` says how ``total_bytes`` is made of the others.
     """
 
     model: str
@@ -126,6 +129,24 @@ class MemoryPrediction:
     loss_bytes: int
     total_bytes: int
     per_group: dict[str, dict[str, int]] = field(default_factory=dict)
+    backward_buffer_bytes: int = 0
+
+    def phased(self) -> bool:
+        """Whether the micro-batches' backward and the loss are separate phases (the global contrastive
+        batch over k > 1 accumulation steps: the loss runs once over the cached embeddings)."""
+        return self.contrastive_batch == "global" and self.accumulation > 1
+
+    def peak_terms(self) -> dict[str, int]:
+        """``total_bytes`` by term: what stays for the whole step (``model states``, ZeRO-3's bucket
+        included; ``embedding cache``), then ``backward`` (one micro-batch's activations and the
+        buckets of backward) and ``loss`` (gathered embeddings and the loss's own memory). The peak is
+        their sum, except where :meth:`phased`: then only the larger of ``backward`` and ``loss`` counts."""
+        return {
+            "model states": self.model_state_bytes + self.buffer_bytes - self.backward_buffer_bytes,
+            "embedding cache": self.cache_bytes,
+            "backward": self.activation_bytes + self.backward_buffer_bytes,
+            "loss": self.gathered_bytes + self.loss_bytes,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,6 +161,8 @@ class Plan:
     reads them back), to be written to ``ds_config_out`` (:meth:`write_ds_config`), which the
     ``launch_command`` names. ``headroom`` is the share of ``gpu_memory`` left unplanned for what
     the prediction does not see (allocator fragmentation, transient peaks, the CUDA context).
+    ``vocabulary`` says how many tokens the text tower was planned with and whether that is exact
+    (:func:`recipe.plan.vocab.vocabulary_note`).
     """
 
     micro_batch: int
@@ -162,6 +185,7 @@ class Plan:
     ds_config_json: dict[str, Any]
     prediction: MemoryPrediction
     runner_ups: tuple[MemoryPrediction, ...] = ()
+    vocabulary: str = ""
 
     def write_ds_config(self, path: str | Path | None = None) -> Path:
         out = Path(path or self.ds_config_out)
@@ -289,6 +313,7 @@ def predict_memory(
         buffer_bytes=sb.buffers + sb.backward_buffers, activation_bytes=act,
         activation_bytes_per_sample=act_model.per_sample + act_model.recompute_per_sample, cache_bytes=cache,
         gathered_bytes=gathered, loss_bytes=loss, total_bytes=int(total), per_group=sb.per_group,
+        backward_buffer_bytes=sb.backward_buffers,
     )
 
 
@@ -378,6 +403,7 @@ def plan(
         launch_command=launch_command(spec, gpus, out, best, extra_args),
         ds_config_out=out, ds_config_json=derived, prediction=best,
         runner_ups=tuple(p for _, p in fitting[1:1 + runner_ups]),
+        vocabulary=vocabulary_note(spec.tokenizer, int(_meta_model(spec).text.config.vocab_size), spec.vocab_size),
     )
 
 

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from recipe.precision import Precision
+
+if TYPE_CHECKING:
+    from .vocab import TokenizerShape
 
 __all__ = ["GroupLayout", "ModelLayout", "ModelSpec", "StateBytes", "model_layout", "state_bytes", "zero_settings"]
 
@@ -40,8 +43,10 @@ __all__ = ["GroupLayout", "ModelLayout", "ModelSpec", "StateBytes", "model_layou
 class ModelSpec:
     """Which model: a preset, or encoders by name (the flags of ``recipe.train`` with the same names).
 
-    ``vocab_size`` is the tokenizer's vocabulary when the run trains its own tokenizer
-    (``--vocab-size``); ``None`` keeps the text tower's own (e.g. CLIP's 49,408 tokens).
+    ``tokenizer`` is the run's tokenizer (:func:`recipe.plan.vocab.run_tokenizer`): as in the run, its
+    vocabulary, special-token ids and context length size the text tower (``python -m recipe.plan``
+    always gives one). Without it ``vocab_size`` sets the vocabulary; both ``None`` keep the text
+    tower's own (e.g. CLIP's 49,408 tokens). ``vocab_size`` is also the launch command's ``--vocab-size``.
     """
 
     preset: str | None = "tiny"
@@ -53,6 +58,7 @@ class ModelSpec:
     context_length: int | None = None
     image_master_weights: bool = True
     text_master_weights: bool = False
+    tokenizer: TokenizerShape | None = None
 
     def label(self) -> str:
         parts = [self.preset] if self.preset else []
@@ -81,10 +87,15 @@ class ModelLayout:
 
 def build_meta_model(spec: ModelSpec) -> torch.nn.Module:
     """The model on the ``meta`` device (shapes only), built by :func:`recipe.model.create_model` from
-    the same arguments ``recipe.train`` passes."""
+    the same arguments ``recipe.train`` passes (the tokenizer's shape standing in for the tokenizer)."""
     from recipe.model import create_model
 
-    overrides = {"vocab_size": spec.vocab_size} if spec.vocab_size else None
+    tokenizer, context_length = spec.tokenizer, spec.context_length
+    if tokenizer is not None and _pretrained_text(spec):
+        # recipe.model: a tower with weights keeps its vocabulary and ids, only its context length follows the
+        # tokenizer; built here without weights, create_model cannot tell, so it is told
+        tokenizer, context_length = None, context_length or tokenizer.context_length
+    overrides = {"vocab_size": spec.vocab_size} if spec.vocab_size and spec.tokenizer is None else None
     with torch.device("meta"):
         return create_model(
             spec.preset,
@@ -93,9 +104,19 @@ def build_meta_model(spec: ModelSpec) -> torch.nn.Module:
             embed_dim=spec.embed_dim,
             image_size=spec.image_size,
             text_overrides=overrides,
-            context_length=spec.context_length,
+            context_length=context_length,
             text_load_weights=False,  # a local directory's weights are not needed for shapes
+            tokenizer=tokenizer,
         )
+
+
+def _pretrained_text(spec: ModelSpec) -> bool:
+    """Whether ``recipe.train`` would load ``spec``'s text tower with weights (a local model directory)."""
+    from recipe.encoders import resolve_text_config
+    from recipe.model import PRESETS
+
+    name = spec.text_encoder or (PRESETS[spec.preset]().text.name if spec.preset in PRESETS else None)
+    return name is not None and resolve_text_config(name)[1] is not None
 
 
 def model_layout(spec: ModelSpec, model: torch.nn.Module | None = None) -> ModelLayout:

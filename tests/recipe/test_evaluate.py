@@ -10,6 +10,7 @@ top-1 and top-5 are known and neither is zero.
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 from collections import Counter
@@ -65,6 +66,18 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (tag / checkpoint.COMPLETE).write_text(json.dumps({"step": STEP}))
     (run / "checkpoints" / checkpoint.LATEST).write_text(tag.name)
     return run
+
+
+def evaluate_to_file(run: Path, argv: list[str]) -> tuple[dict, Path]:
+    """``python -m recipe.evaluate argv``: its metrics and the one result file it wrote (new or replaced)."""
+    def files() -> dict[Path, tuple[int, int]]:
+        return {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in run.glob("eval_*.json")}
+
+    before = files()
+    metrics = evaluate_main(["--checkpoint", str(run), "--no-progress", *argv])
+    changed = [p for p, stamp in files().items() if before.get(p) != stamp]
+    assert len(changed) == 1, changed
+    return metrics, changed[0]
 
 
 def load_run(run: Path) -> tuple[torch.nn.Module, object]:
@@ -133,15 +146,18 @@ def imagenet(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_imagenet_zero_shot_of_an_imagenet_folder(run_dir: Path, imagenet: dict, tmp_path: Path) -> None:
     root = imagenet["root"]
-    metrics = evaluate_main(["--checkpoint", str(run_dir), "--zeroshot", "imagenet", "--val-data", str(root)])
+    metrics, out = evaluate_to_file(run_dir, ["--zeroshot", "imagenet", "--val-data", str(root)])
     assert metrics["imagenet_top1"] == pytest.approx(imagenet["top1"], abs=1e-6)
     assert metrics["imagenet_top5"] == pytest.approx(imagenet["top5"], abs=1e-6)
     assert metrics["imagenet_chance"] == pytest.approx(1e-3)
     assert metrics["eval_samples"] == N_IMAGES and metrics["eval_skipped"] == 1  # the corrupt JPEG
     assert metrics["step"] == STEP and not any(k.startswith(("i2t", "t2i", "retrieval")) for k in metrics)
-    written = json.loads((run_dir / f"eval_imagenet_step{STEP}.json").read_text())
+    assert out.name.startswith(f"eval_imagenet-{root.parent.name}-val-") and out.name.endswith(f"_step{STEP}.json")
+    written = json.loads(out.read_text())
     assert written["imagenet_top1"] == metrics["imagenet_top1"] and written["zeroshot"] == "imagenet"
     assert written["val_data"] == str(root)
+    [dataset] = written["datasets"]
+    assert dataset["format"] == "imagefolder" and dataset["zeroshot"] == "imagenet" and dataset["role"] == "val_data"
 
     # each image is labelled with its folder's index among the 1000 classes
     loader = build_eval_loader(DataConfig(val_data=str(root)), None, {"input_size": (3, 32, 32), "crop_pct": 1.0},
@@ -185,18 +201,18 @@ def test_a_class_name_file_for_any_folder_of_class_subfolders(run_dir: Path, tmp
 
     # a zeroshot.json next to the data: class i is the i-th subfolder in sorted order
     (tmp_path / "zeroshot.json").write_text(json.dumps({"classnames": ["cat", "dog", "fish"], "templates": templates}))
-    metrics = evaluate_main(["--checkpoint", str(run_dir), "--val-data", str(root), "--no-progress"])
+    metrics, found = evaluate_to_file(run_dir, ["--val-data", str(root)])
     assert metrics["zeroshot_top1"] == pytest.approx(expected(["cat", "dog", "fish"]), abs=1e-6)
     assert metrics["zeroshot_top5"] == 1.0 and metrics["zeroshot_chance"] == pytest.approx(1 / 3)
     assert metrics["eval_samples"] == 12 and "retrieval_r1" not in metrics  # no captions: no retrieval
-    assert (run_dir / f"eval_val_step{STEP}.json").is_file()
+    assert json.loads(found.read_text())["datasets"][0]["zeroshot_from"] == "found next to the data"
 
     # named by folder, in any order, through --zeroshot FILE
     named = tmp_path / "pets.json"
     named.write_text(json.dumps({"classnames": {"fish": "fish", "cat": "cat", "dog": "dog"}, "templates": templates}))
-    metrics = evaluate_main(["--checkpoint", str(run_dir), "--val-data", str(root), "--zeroshot", str(named)])
+    metrics, out = evaluate_to_file(run_dir, ["--val-data", str(root), "--zeroshot", str(named)])
     assert metrics["zeroshot_top1"] == pytest.approx(expected(["fish", "cat", "dog"]), abs=1e-6)
-    assert (run_dir / f"eval_pets_step{STEP}.json").is_file()
+    assert out.name.startswith("eval_pets-") and out != found  # other class names: another result
 
     # a class-name list that does not fit the folders, and a folder without any class names
     (tmp_path / "zeroshot.json").write_text(json.dumps({"classnames": ["cat", "dog"], "templates": templates}))
@@ -205,6 +221,55 @@ def test_a_class_name_file_for_any_folder_of_class_subfolders(run_dir: Path, tmp
     (tmp_path / "zeroshot.json").unlink()
     with pytest.raises(ValueError, match="no zero-shot class names were found"):
         evaluate_main(["--checkpoint", str(run_dir), "--val-data", str(root)])
+
+
+def test_two_datasets_at_one_step_keep_their_own_results(run_dir: Path, tmp_path: Path) -> None:
+    """Two files both named val.csv, a JSON-lines val.jsonl next to one of them, and a val.csv with a
+    class folder as --zeroshot-data (all ``eval_val_step<N>.json`` once): each evaluation at the same
+    step writes its own file, recording its own metrics and data; evaluating the same data again
+    (spelt differently) replaces its file."""
+    for name, n_val, seed in (("a", 10, 1), ("b", 14, 2)):
+        write_dataset(str(tmp_path / name), 8, n_val=n_val, image_size=32, seed=seed)
+    a, b = tmp_path / "a" / "val.csv", tmp_path / "b" / "val.csv"
+    jsonl = tmp_path / "a" / "val.jsonl"  # the first 6 rows of a/val.csv, as JSON lines
+    with a.open() as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))[:6]
+    jsonl.write_text("".join(json.dumps({**r, "label": int(r["label"])}) + "\n" for r in rows))
+    pets = tmp_path / "pets" / "val"
+    for j, name in enumerate(["cat", "dog"]):
+        (pets / name).mkdir(parents=True)
+        for i in range(3):
+            jpeg(pets / name / f"{i}.jpg", seed=300 + 10 * j + i)
+    (pets.parent / "zeroshot.json").write_text(json.dumps({"classnames": ["cat", "dog"], "templates": ["a {}."]}))
+    results = {
+        key: evaluate_to_file(run_dir, argv)
+        for key, argv in (("a", ["--val-data", str(a)]), ("b", ["--val-data", str(b)]),
+                          ("jsonl", ["--val-data", str(jsonl)]),
+                          ("a+pets", ["--val-data", str(a), "--zeroshot-data", str(pets)]))
+    }
+    files = {out for _, out in results.values()}
+    assert len(files) == len(results)  # no result overwrote another
+    assert results["a"][1].name.startswith("eval_a-val-") and results["b"][1].name.startswith("eval_b-val-")
+    assert all(out.name.endswith(f"_step{STEP}.json") for out in files)
+    for key, (metrics, out) in results.items():
+        written = json.loads(out.read_text())
+        assert {k: written[k] for k in metrics} == metrics, key  # its own metrics, still there
+    assert results["a"][0]["eval_samples"] == 10 and results["b"][0]["eval_samples"] == 14
+    assert results["jsonl"][0]["eval_samples"] == 6 and results["jsonl"][1].name.startswith("eval_a-val-")
+    [record] = json.loads(results["b"][1].read_text())["datasets"]
+    assert record["paths"] == [str(b.resolve())] and record["format"] == "csv" and record["role"] == "val_data"
+    assert record["zeroshot"] == str((tmp_path / "b" / "zeroshot.json").resolve())
+    assert record["columns"] == {"image": None, "caption": None, "label": "label"}
+    assert json.loads(results["jsonl"][1].read_text())["datasets"][0]["format"] == "json"
+    retrieval, classes = json.loads(results["a+pets"][1].read_text())["datasets"]
+    assert (retrieval["role"], retrieval["zeroshot"], classes["role"]) == ("val_data", None, "zeroshot_data")
+    assert classes["paths"] == [str(pets.resolve())] and classes["format"] == "imagefolder"
+    assert classes["zeroshot"] == str((pets.parent / "zeroshot.json").resolve())
+    assert results["a+pets"][0]["zeroshot_samples"] == 6 and "zeroshot_samples" not in results["a"][0]
+
+    # the same data at the same step, spelt another way: its own file is replaced, nothing else written
+    metrics, out = evaluate_to_file(run_dir, ["--val-data", str(tmp_path / "a" / "." / "val.csv")])
+    assert out == results["a"][1] and metrics == results["a"][0]
 
 
 def test_run_eval_reports_imagenet_beside_retrieval(run_dir: Path, imagenet: dict, tmp_path: Path,
@@ -242,7 +307,7 @@ def test_run_eval_reports_imagenet_beside_retrieval(run_dir: Path, imagenet: dic
 
     for bad, error in ((dict(zeroshot="imagenet"), "needs images to classify"),
                        (dict(zeroshot=str(tmp_path / "absent.json"), val_data="x"), "'imagenet' or an existing"),
-                       (dict(zeroshot_data=str(tmp_path / "absent")), "zeroshot_data .* does not exist")):
+                       (dict(zeroshot_data=str(tmp_path / "absent")), "--zeroshot-data .* does not exist")):
         with pytest.raises(ValueError, match=error):
             TrainConfig(data=DataConfig(**bad), deepspeed_config=DS).validate()
 

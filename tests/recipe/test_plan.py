@@ -16,8 +16,11 @@ from recipe.config import build_parser, check_model_names
 from recipe.plan import ModelSpec, PlanError, parse_memory, plan, predict_memory
 from recipe.plan.activations import count_saved, measure_activations
 from recipe.plan.cli import main
+from recipe.plan.search import format_bytes
 from recipe.plan.states import build_meta_model
+from recipe.plan.vocab import run_tokenizer
 from recipe.precision import read_ds_config
+from recipe.synthetic import write_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -176,7 +179,8 @@ def _launch_args(command: str) -> list[str]:
 def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
     rc = main(["--preset", "tiny", "--gpus", "2", "--gpu-memory", "8GiB", "--global-batch", "512",
-               "--ds-config-out", str(out), "--train-data", "data/x.csv", "--loss-mode", "chunked"])
+               "--ds-config-out", str(out), "--train-data", "data/x.csv", "--loss-mode", "chunked",
+               "--no-count-vocab"])  # data that is not here: the vocabulary is --vocab-size, an upper bound
     text = capsys.readouterr().out
     assert rc == 0
     assert "plan: micro-batch" in text and "| **peak** |" in text
@@ -184,6 +188,7 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     args = _launch_args(command)
     parsed = build_parser().parse_args(args + ["--deepspeed_config", str(out)])  # recipe.train's own parser
     assert getattr(parsed, "model.preset") == "tiny" and parsed.loss_mode == "chunked"
+    assert getattr(parsed, "data.train_data") == "data/x.csv"
     written = read_ds_config(out, world_size=2)  # the JSON the command names, checked as recipe.train does
     assert written["train_micro_batch_size_per_gpu"] * written["gradient_accumulation_steps"] * 2 == 512
 
@@ -214,6 +219,9 @@ def test_parse_memory(text: str, expected: int) -> None:
         (["--preset", "tiny", "--gpu-memory", "80 gigs"], "expected a number and a unit"),
         (["--preset", "tiny", "--gpu-memory", "1MiB", "--gpus", "2", "--global-batch", "64"], "nothing fits"),
         (["--preset", "tiny", "--ds-config", "ds_configs/missing.json"], "not found"),
+        (["--preset", "tiny", "--train-data", "missing/train.csv"],
+         "cannot read the captions of --train-data missing/train.csv to size the vocabulary"),
+        (["--preset", "tiny", "--tokenizer", "missing/tokenizer"], "cannot read --tokenizer missing/tokenizer"),
     ],
 )
 def test_bad_input_is_a_clear_error(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -240,3 +248,92 @@ def test_nothing_fits_names_the_term() -> None:
     with pytest.raises(PlanError, match=r"needs 4\.8\d MiB; its largest term is model states"):
         plan("tiny", gpus=1, gpu_memory="1MiB", global_batch=4, ds_config="zero0_fp16_sr_lossscale.json",
              contrastive_batch="micro", checkpointing=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# the run's vocabulary, and what the peak is made of
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's kind of data (recipe.synthetic), small: captions with few distinct words."""
+    out = tmp_path_factory.mktemp("demo")
+    write_dataset(str(out), 200, n_val=12, image_size=16, seed=0)
+    return out
+
+
+def test_plan_counts_the_parameters_of_the_model_the_run_builds(demo_data: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The tiny preset on the demo's kind of data: the run trains a BPE of a few hundred tokens, not the
+    text tower's 4,096 (the demo: 247,233 parameters, not 486,081). The plan's parameter count is that of
+    the model recipe.train builds from the plan's own launch command (its tokenizer, then its model),
+    also when the run is given that tokenizer (--tokenizer)."""
+    from recipe.config import parse_args
+    from recipe.train import build_model, get_tokenizer
+
+    def planned(*extra: str) -> dict:
+        assert main(["--preset", "tiny", "--gpus", "2", "--gpu-memory", "8GiB", "--global-batch", "64", "--json",
+                     "--ds-config-out", str(tmp_path / "plan.json"), *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    plan_json = planned("--train-data", str(demo_data / "train.csv"))
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = parse_args(_launch_args(plan_json["launch_command"])
+                     + ["--deepspeed_config", str(tmp_path / "plan.json"), "--output-dir", str(run)])
+    tok = get_tokenizer(cfg, run)
+    model = build_model(cfg, tok, run)
+    params = sum(p.numel() for p in model.parameters())
+    assert tok.vocab_size < 1000 and model.text.config.vocab_size == tok.vocab_size
+    assert plan_json["prediction"]["params"] == params
+    assert plan_json["vocabulary"].startswith(f"{tok.vocab_size:,} tokens (the BPE recipe.train trains")
+
+    # the tokenizer the run saved, given to the planner as the run would be given it
+    loaded = planned("--tokenizer", str(run / "tokenizer"))
+    assert loaded["prediction"]["params"] == params and "--tokenizer" in loaded["launch_command"]
+
+    # without data: --vocab-size (recipe.train's default), an upper bound; the context length is the run's
+    bound = run_tokenizer(None)
+    assert bound.upper_bound and bound.vocab_size == cfg.data.vocab_size and bound.context_length == tok.context_length
+    assert planned()["prediction"]["params"] > params
+
+
+def test_without_data_the_vocabulary_is_said_to_be_an_upper_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--preset", "tiny", "--gpus", "2", "--gpu-memory", "8GiB", "--global-batch", "64", "--no-write",
+                 "--vocab-size", "1024"]) == 0
+    text = capsys.readouterr().out
+    assert "text vocabulary: at most 1,024 tokens (--vocab-size, an upper bound: the tokenizer the run trains" in text
+    assert "give --train-data to count it" in text and "--vocab-size 1024" in text.splitlines()[-1]
+
+
+@pytest.mark.parametrize("accumulation, contrastive", [(1, "global"), (4, "global"), (4, "micro")])
+def test_peak_terms_add_up_to_the_peak(accumulation: int, contrastive: str) -> None:
+    """One micro-batch at a time: the peak is the table's rows summed. Global contrastive batch over k > 1
+    steps: backward and loss are separate phases; only the larger counts, so the peak is below the rows' sum."""
+    p = predict_memory("tiny", "zero2_bf16_halfmaster.json", world=2, micro_batch=8, accumulation=accumulation,
+                       contrastive_batch=contrastive)
+    t = p.peak_terms()
+    rows = (sum(p.bytes_per_param.values()) * p.params + p.activation_bytes + p.cache_bytes + p.gathered_bytes
+            + p.loss_bytes)
+    assert p.backward_buffer_bytes > 0 and p.buffer_bytes >= p.backward_buffer_bytes  # ZeRO-2 at two ranks
+    if p.phased():
+        assert p.total_bytes == t["model states"] + t["embedding cache"] + max(t["backward"], t["loss"])
+        assert p.total_bytes == pytest.approx(rows - min(t["backward"], t["loss"]), abs=8) and min(t.values()) > 0
+    else:
+        assert p.total_bytes == sum(t.values()) == pytest.approx(rows, abs=8)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--gpu-memory", "8GiB", "--global-batch", "512"], "peak = the rows' sum, all alive at once"),
+    (["--gpu-memory", "1300MiB", "--global-batch", "8192", "--headroom", "0"],
+     "the larger of one micro-batch's backward"),
+])
+def test_the_output_says_what_the_peak_is_made_of(argv: list[str], says: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--preset", "tiny", "--gpus", "2", "--no-write", *argv]) == 0
+    text = capsys.readouterr().out
+    [line] = [x for x in text.splitlines() if x.startswith("peak = ")]
+    assert says in line and "left to the" in line and "headroom" in line
+    activations = [x for x in text.splitlines() if x.startswith("| activations")][0].split("|")[-2].strip()
+    assert f"activations {activations}" in line and activations != format_bytes(0)  # the row's figure, named
