@@ -17,8 +17,12 @@
 # demo's settings are the defaults and your arguments override them.
 # Environment: NUM_GPUS, DS_CONFIG (default ds_configs/zero2_bf16_halfmaster.json; zero0_bf16_sr.json on one
 # rank), OUTPUT_DIR, DATA_DIR (demo data), HOSTFILE, MASTER_ADDR, MASTER_PORT.
-# SIGTERM (preemption) makes every rank save a checkpoint at the next step boundary and exit (code 143);
-# SIGINT (Ctrl-C) stops every rank at once.
+# Signals, to this script or to its whole process group / job (timeout, SLURM, Kubernetes): SIGTERM and
+# SIGUSR1 (SLURM's --signal=USR1@SECONDS) make every rank save a checkpoint at the next step boundary
+# and exit; this script returns once every rank has ended, with 143 when the checkpoint was saved (3
+# and one line naming the lost step when it was not). SIGINT (Ctrl-C) stops every rank at once without
+# saving (130). Whatever fails on whichever rank, the output ends with one `error:` line naming the
+# cause and the log holding the tracebacks (python -m recipe.outcome).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -90,19 +94,38 @@ if [ -z "${MASTER_PORT:-}" ] && [ -z "${HOSTFILE:-}" ]; then  # a free local por
 fi
 launcher+=(${MASTER_PORT:+--master_port "$MASTER_PORT"})
 
-# The launcher runs in the background so that this script can pass SIGTERM/SIGINT on to the ranks
-# (the `deepspeed` runner does not forward them on a single node, leaving the ranks running).
+# The launcher runs in the background, in a process group of its own (job control), so that this
+# script alone receives what is sent to its group (`timeout`, a terminal's Ctrl-C) and passes it to
+# the ranks: the `deepspeed` runner does not forward signals on a single node, and its per-node
+# launcher would end the ranks' whole process trees (DataLoader workers included) on a SIGTERM.
+# The ranks announce themselves and leave how they ended in a private directory (recipe/outcome.py).
+RECIPE_LAUNCH_DIR=$(mktemp -d "${TMPDIR:-/tmp}/recipe-launch.XXXXXX")
+export RECIPE_LAUNCH_DIR
+trap 'rm -rf "$RECIPE_LAUNCH_DIR"' EXIT
+set -m
 "${launcher[@]}" --module "$module" "${args[@]}" "$@" &
 runner=$!
+set +m
+pending=""
 forward() {  # the ranks are the children of the per-node launcher, itself a child of the runner
-  local sig=$1 node
-  for node in $(pgrep -P "$runner" || true); do pkill "-$sig" -P "$node" || true; done
+  local sig=$1 node found=false
+  for node in $(pgrep -P "$runner" || true); do
+    pkill "-$sig" -P "$node" && found=true
+  done
+  if $found || [[ $sig == INT ]]; then pending=""; else pending=$sig; fi  # no rank yet: again in a moment
 }
 trap 'forward TERM' TERM
+trap 'forward USR1' USR1
 trap 'forward INT' INT
 status=0
 while true; do
   wait "$runner" && status=0 || status=$?
   kill -0 "$runner" 2>/dev/null || break   # wait returns early when a trapped signal arrives
+  if [[ -n $pending ]]; then sleep 1; forward "$pending"; fi
 done
+# the runner may have died of a job-wide signal while the ranks still save: wait for every rank, then
+# print the one line that explains the launch and return its status
+expect=0
+[[ -z ${HOSTFILE:-} ]] && expect=$NUM_GPUS
+python -m recipe.outcome "$RECIPE_LAUNCH_DIR" "$status" --expect "$expect" && status=0 || status=$?
 exit "$status"

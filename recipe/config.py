@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 import types
@@ -36,6 +37,8 @@ __all__ = [
     "check_model_names",
     "config_from_dict",
     "parse_args",
+    "UsageError",
+    "OneLineParser",
 ]
 
 #: Names of :data:`recipe.loss.LOSS_MODES` (kept here so that the config imports no torch code).
@@ -296,31 +299,31 @@ class TrainConfig:
         anything is built.
         """
         if self.loss_mode not in LOSS_MODE_NAMES:
-            raise ValueError(f"loss_mode must be one of {', '.join(LOSS_MODE_NAMES)}, got {self.loss_mode!r}")
+            raise ValueError(f"--loss-mode must be one of {', '.join(LOSS_MODE_NAMES)}, got {self.loss_mode!r}")
         if self.loss not in LOSS_NAMES:
-            raise ValueError(f"loss must be one of {', '.join(LOSS_NAMES)}, got {self.loss!r}")
+            raise ValueError(f"--loss must be one of {', '.join(LOSS_NAMES)}, got {self.loss!r}")
         if self.contrastive_batch not in CONTRASTIVE_BATCH_NAMES:
             raise ValueError(
-                f"contrastive_batch must be one of {', '.join(CONTRASTIVE_BATCH_NAMES)}, got {self.contrastive_batch!r}"
+                f"--contrastive-batch must be one of {', '.join(CONTRASTIVE_BATCH_NAMES)}, got {self.contrastive_batch!r}"
             )
         if self.optim.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be cosine or constant, got {self.optim.schedule!r}")
+            raise ValueError(f"--schedule must be cosine or constant, got {self.optim.schedule!r}")
         for section, cls in _sections().items():
             values = getattr(self, section) if section else self
             for f, hint in _leaves(cls):
                 _check_bounds(f, hint, getattr(values, f.name))
         if self.loss == "siglip" and self.loss_mode == "fused":
-            raise ValueError("loss_mode fused is the clip loss's Triton kernel; --loss siglip runs plain or chunked")
+            raise ValueError("--loss-mode fused is the clip loss's Triton kernel; --loss siglip runs plain or chunked")
         if self.model.init_logit_bias is not None and self.loss != "siglip":
-            raise ValueError("init_logit_bias is for --loss siglip (the clip loss has no bias)")
+            raise ValueError("--init-logit-bias is for --loss siglip (the clip loss has no bias)")
         if self.model.lock_image_unlocked_groups and not self.model.lock_image:
-            raise ValueError("lock_image_unlocked_groups needs --lock-image")
+            raise ValueError("--lock-image-unlocked-groups needs --lock-image")
         if self.steps is not None and self.epochs is not None:
-            raise ValueError("give steps or epochs, not both")
+            raise ValueError("give --steps or --epochs, not both")
         for name in ("train_scale", "train_ratio"):
             value = getattr(self.data, name)
             if value is not None and value[0] > value[1]:
-                raise ValueError(f"{name} must be a range (low <= high), got {value[0]} {value[1]}")
+                raise ValueError(f"{_flag(name)} must be a range (low <= high), got {value[0]} {value[1]}")
         m = self.model
         check_model_names(m.preset, m.image_encoder, m.text_encoder, init_from=m.init_from)
         if self.model.init_from is not None:
@@ -340,12 +343,12 @@ class TrainConfig:
     def _validate_zeroshot(self) -> None:
         d = self.data
         if d.zeroshot is not None and d.zeroshot != "imagenet" and not Path(d.zeroshot).is_file():
-            raise ValueError(f"zeroshot must be 'imagenet' or an existing zeroshot.json file, got {d.zeroshot!r}")
+            raise ValueError(f"--zeroshot must be 'imagenet' or an existing zeroshot.json file, got {d.zeroshot!r}")
         if d.zeroshot is not None and not (d.val_data or d.zeroshot_data):
-            raise ValueError(f"zeroshot {d.zeroshot!r} needs images to classify: set zeroshot_data or val_data")
+            raise ValueError(f"--zeroshot {d.zeroshot!r} needs images to classify: set --zeroshot-data or --val-data")
         for part in (d.zeroshot_data or "").split("::"):
             if part and not any(ch in part for ch in "*?[{") and not Path(part).expanduser().exists():
-                raise ValueError(f"zeroshot_data {part!r} does not exist")
+                raise ValueError(f"--zeroshot-data {part!r} does not exist")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -389,11 +392,11 @@ def _check_bounds(f: dataclasses.Field, hint: Any, value: Any) -> None:
     elem = typing.get_args(tp)[0] if typing.get_origin(tp) is tuple else tp
     for v in value if isinstance(value, (tuple, list)) else (value,):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (elem is int and not isinstance(v, int)):
-            raise ValueError(f"{f.name} must be {'an integer' if elem is int else 'a number'}, got {v!r}")
+            raise ValueError(f"{_flag(f.name)} must be {'an integer' if elem is int else 'a number'}, got {v!r}")
         for kind, bound in bounds.items():
             symbol, ok = _BOUNDS[kind]
             if not ok(v, bound):
-                raise ValueError(f"{f.name} must be {symbol} {bound}, got {v}")
+                raise ValueError(f"{_flag(f.name)} must be {symbol} {bound}, got {v}")
 
 
 def _launcher_world_size() -> int | None:
@@ -456,9 +459,31 @@ def check_field_bounds(obj: Any) -> None:
         _check_bounds(f, hints[f.name], getattr(obj, f.name))
 
 
+class UsageError(ValueError):
+    """A command line argparse cannot read (an unknown flag, a missing or malformed value)."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one :class:`UsageError` line instead of the usage text on
+    stderr and ``SystemExit``: the caller reports it once (a launch has one parser per rank), with the
+    flag the user probably meant."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        guesses = []
+        if message.startswith("unrecognized arguments"):
+            for word in message.split(":", 1)[1].split():
+                word = word.split("=")[0]
+                if word.startswith("--") and word not in flags:
+                    longer = [f for f in flags if f.startswith(word)]  # a prefix (abbreviations are off)
+                    guesses += longer[:2] or difflib.get_close_matches(word, flags, n=1, cutoff=0.75)
+        hint = f" (did you mean {' / '.join(dict.fromkeys(guesses))}?)" if guesses else ""
+        raise UsageError(f"{message}{hint}; --help lists every flag")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per leaf field, with the field's help text and default; plus ``--config``."""
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="python -m recipe.train",
         description="Train a CLIP model under DeepSpeed (see README.md, 'Training').",
         allow_abbrev=False,  # a prefix of one flag must never silently set another

@@ -288,3 +288,41 @@ def allreduce_gradients(params: list[torch.Tensor], bucket_bytes: int = 1 << 26)
                     b.copy_(flat[offset:offset + b.numel()].view_as(b))
                     offset += b.numel()
                 bucket, size = [], 0
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX-BF16), which the CPU kernels of
+    bf16 convolutions and normalisations need to be fast (torch's CPU feature table; else
+    ``/proc/cpuinfo``; unknown counts as present)."""
+    try:
+        caps = torch._C._cpu._get_cpu_capability()
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    except (AttributeError, RuntimeError):
+        pass
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def slow_bf16_on_cpu(model: torch.nn.Module, prec: Precision, on_cpu: bool, has_bf16: bool | None = None) -> str | None:
+    """A note for the start of a CPU run whose bf16 weights would run 20-200x slower than fp32: a CPU
+    without bf16 instructions (:func:`cpu_has_bf16`) and a model with BatchNorm or convolutions other
+    than a patch embedding (kernel = stride: ViT towers keep their speed). ``None`` when that is not so."""
+    if not on_cpu or prec.param_dtype != torch.bfloat16:
+        return None
+    if has_bf16 if has_bf16 is not None else cpu_has_bf16():
+        return None
+    slow: dict[str, int] = {}
+    for m in model.modules():
+        patchify = isinstance(m, torch.nn.Conv2d) and tuple(m.kernel_size) == tuple(m.stride)
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) or (isinstance(m, torch.nn.modules.conv._ConvNd)
+                                                                    and not patchify):
+            slow[type(m).__name__] = slow.get(type(m).__name__, 0) + 1
+    if not slow:
+        return None
+    what = ", ".join(f"{n} {name}" for name, n in sorted(slow.items()))
+    return (f"note: this CPU has no bf16 instructions (AVX512-BF16 or AMX): in bf16 the model's {what} layers "
+            "run 20-200x slower here than in fp32; DS_CONFIG=ds_configs/zero2_fp32.json is the fast route on "
+            "this machine")

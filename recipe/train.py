@@ -23,7 +23,6 @@ import math
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -44,10 +43,12 @@ from .numerics import NumericsMonitor, build_numerics
 from .export import Imported, read_pretrained
 from .model import CLIPConfig, check_tokenizer_fits, create_model
 from .optimizer import describe_groups, lr_at
-from .precision import ConfigError, Precision, read_ds_config, resolve_precision
-from .preempt import PREEMPTED_EXIT_CODE, StopRequest
+from .precision import ConfigError, Precision, read_ds_config, resolve_precision, slow_bf16_on_cpu
+from . import outcome
+from .outcome import Outcome
+from .preempt import PREEMPTED_EXIT_CODE, STOP_UNSAVED_EXIT_CODE, StopNotSaved, StopRequest
 from .quiet import quiet_libraries
-from .rundir import RunLock, RunLockError, prepare_run_dir
+from .rundir import ERROR_LOG, Claim, RunDirError, RunLockError, check_run_dir, claim_run_dir, prepare_run_dir
 from .step import StepResult, TrainState, train_step
 from .tokenizer import load_tokenizer, train_tokenizer
 
@@ -57,27 +58,63 @@ FINAL_METRICS = "final_metrics.json"
 
 #: Errors that name what the user has to fix; every rank raises them alike, so the command line
 #: shows one line from rank 0 instead of a traceback per rank (RECIPE_TRACEBACK=1 shows them).
-USER_ERRORS = (ValueError, FileNotFoundError, ConfigError, CheckpointError, RunLockError, FloatingPointError)
+USER_ERRORS = (ValueError, FileNotFoundError, ConfigError, CheckpointError, RunLockError, RunDirError,
+               FloatingPointError)
 
 
 def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict[str, Any]:
     """Runs training (every rank calls it) and returns the final metrics.
 
     Returns early with ``{"finished": True, ...}`` when a resumed run has already reached its last
-    step, and with ``{"stopped": "SIGTERM", ...}`` after saving a checkpoint when ``stop`` was
-    requested.
+    step, and with ``{"stopped": "SIGTERM", ...}`` (or ``"SIGUSR1"``) after saving a checkpoint when
+    ``stop`` was requested.
+
+    Raises:
+        RunDirError: ``--output-dir`` holds another run (no ``--resume``), or there is no run to resume.
+        StopNotSaved: A stop was requested but its checkpoint could not be saved.
     """
     init_distributed()
     prec, ds_config = resolve_precision(read_ds_config(cfg.deepspeed_config, world_size=rank_world()[1]))
     run_dir = Path(cfg.output_dir)
-    lock = take_run_lock(run_dir)
+    stop = stop or StopRequest()
+    claim = claim_run(run_dir, cfg.resume)
     try:
-        return _train(cfg, prec, ds_config, run_dir, stop or StopRequest())
+        try:
+            session = set_up(cfg, prec, ds_config, run_dir)
+        except BaseException:
+            if claim is not None:  # a failed start takes back what it wrote (rank 0 wrote it all)
+                claim.undo()
+            raise
+        try:
+            return run_steps(cfg, prec, run_dir, stop, session)
+        except Exception as e:
+            if stop.requested:  # the stop's checkpoint was not saved: name the steps that are lost
+                raise StopNotSaved(stop.signal_name or "a signal", session.state.step, e,
+                                   checkpoint.complete_checkpoints(run_dir / "checkpoints")) from e
+            raise
     finally:
-        lock.release()
+        if claim is not None:
+            claim.release()
 
 
-def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir: Path, stop: StopRequest) -> dict:
+@dataclasses.dataclass
+class Session:
+    """What the start built, for the steps."""
+
+    tokenizer: Any
+    model: torch.nn.Module
+    engine: Any
+    opt: Any
+    group_params: Any
+    loader: Any
+    total: int
+    ema: ModelEMA | None
+    state: TrainState
+
+
+def set_up(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir: Path) -> Session:
+    """Everything before the first step (a failure here is a failed start): the run's files, its
+    tokenizer, model, engine, loader and EMA, and the resumed state."""
     rank, world = rank_world()
     if rank == 0:
         prepare_run_dir(run_dir, cfg.to_dict(), ds_config)
@@ -86,12 +123,24 @@ def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
     imported = read_init_from(cfg, run_dir)
     tokenizer = get_tokenizer(cfg, run_dir, imported)
     model = build_model(cfg, tokenizer, run_dir, imported)
+    slow = slow_bf16_on_cpu(model, prec, on_cpu=not torch.cuda.is_available())
+    if slow:
+        say(slow)
     engine, opt, group_params = build_engine(model, cfg, prec, ds_config)
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     loader = build_train_loader(cfg.data, tokenizer, model.image_data_config(), micro, rank, world, cfg.seed)
     total = cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * len(loader) / accum))
     ema = build_ema(engine, cfg)  # --ema-decay: the average starts from the weights before the first step
     state = restore(engine, run_dir, cfg.resume, loader, prec, ema) if cfg.resume else TrainState()
+    return Session(tokenizer, model, engine, opt, group_params, loader, total, ema, state)
+
+
+def run_steps(cfg: TrainConfig, prec: Precision, run_dir: Path, stop: StopRequest, session: Session) -> dict:
+    """The steps with their logging, evaluation and checkpoints, then the final evaluation."""
+    rank, world = rank_world()
+    tokenizer, engine, opt, loader, total, ema, state = (session.tokenizer, session.engine, session.opt,
+                                                        session.loader, session.total, session.ema, session.state)
+    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     if state.step >= total:
         say(f"run {run_dir} has already reached step {state.step} of {total}: nothing to do "
             f"(give --steps larger than {state.step} to continue it)")
@@ -104,7 +153,7 @@ def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
         f"{contrastive_batch_size(cfg.contrastive_batch, micro, accum, world)} ({cfg.contrastive_batch}), "
         f"{total} steps, run dir {run_dir}"
     )
-    log.write(describe_groups(opt, group_params))
+    log.write(describe_groups(opt, session.group_params))
     # --numerics-every: optimizer step hooks sample the update on the device (recipe/numerics.py)
     numerics = build_numerics(opt, cfg.numerics_every, cfg.log_every, seed=cfg.seed)
     batches, t0, start_samples = _forever(loader), time.perf_counter(), state.samples
@@ -138,11 +187,12 @@ def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
         if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == total or result.stop:
             tag_dir = save(engine, run_dir, state, loader, prec, ema)
         if result.stop:
-            log.write(f"stopped by SIGTERM at step {state.step}: checkpoint {tag_dir} saved; "
-                      "continue with --resume latest")
             log.close()
             loader.close()
-            return {"stopped": "SIGTERM", "steps": state.step, "checkpoint": str(tag_dir), "run_dir": str(run_dir)}
+            say(f"stopped by {stop.signal_name or 'a signal to another rank'} at step {state.step}: checkpoint "
+                f"{tag_dir} saved; continue with --resume latest")  # after the progress bar's last line
+            return {"stopped": stop.signal_name, "steps": state.step, "checkpoint": str(tag_dir),
+                    "run_dir": str(run_dir)}
     final = {
         "steps": state.step,
         "samples_per_s": (state.samples - start_samples) / max(time.perf_counter() - t0, 1e-9),
@@ -161,7 +211,7 @@ def _train(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
         world_size=world,
         run_dir=str(run_dir),
     )
-    final["memory"] = {**live_bytes_per_param(engine.module, opt, engine.optimizer), "group_params": group_params}
+    final["memory"] = {**live_bytes_per_param(engine.module, opt, engine.optimizer), "group_params": session.group_params}
     log.log(state.step, final, kind="final")
     log.close()
     loader.close()
@@ -181,19 +231,19 @@ def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def take_run_lock(run_dir: Path) -> RunLock:
-    """Rank 0 takes the run directory's lock; every rank raises the same :class:`RunLockError` when
-    another run holds it."""
-    lock, error = RunLock(run_dir), None
+def claim_run(run_dir: Path, resume: str | None) -> Claim | None:
+    """Rank 0 checks the run directory for this start and takes its lock (:func:`recipe.rundir.claim_run_dir`);
+    every rank raises the same error when it refuses. Returns rank 0's claim (``None`` elsewhere)."""
+    claim, error = None, None
     if rank_world()[0] == 0:
         try:
-            lock.acquire()
-        except RunLockError as e:
-            error = str(e)
+            claim = claim_run_dir(run_dir, resume)
+        except (RunLockError, RunDirError) as e:
+            error = (type(e).__name__, str(e))
     error = broadcast_from_rank0(error)
     if error is not None:
-        raise RunLockError(error)
-    return lock
+        raise {"RunLockError": RunLockError, "RunDirError": RunDirError}[error[0]](error[1])
+    return claim
 
 
 def read_init_from(cfg: TrainConfig, run_dir: Path) -> Imported | None:
@@ -297,6 +347,13 @@ def save(engine: Any, run_dir: Path, state: TrainState, loader: Any, prec: Preci
 
 def restore(engine: Any, run_dir: Path, resume: str, loader: Any, prec: Precision,
             ema: ModelEMA | None = None) -> TrainState:
+    """The state of the checkpoint ``resume`` names, loaded into the engine, loader and EMA. A run
+    that has no complete checkpoint yet (it failed or was killed before its first save) starts again
+    from step 0 under ``--resume latest``."""
+    if resume == "latest" and not checkpoint.complete_checkpoints(run_dir / "checkpoints"):
+        say(f"{run_dir} has no complete checkpoint yet: starting it again from step 0 "
+            "(the metrics rows of the steps it repeats are replaced)")
+        return TrainState()
     tag_dir = checkpoint.resolve(resume, run_dir / "checkpoints")
     client = checkpoint.load(engine, tag_dir)
     loader.load_state_dict(client["data"])
@@ -400,6 +457,8 @@ def with_run_config(argv: list[str]) -> list[str]:
     ap.add_argument("--config")
     ap.add_argument("--output-dir", default=TrainConfig().output_dir)
     known, _ = ap.parse_known_args(argv)
+    if known.resume == "latest" and not known.config:
+        check_run_dir(Path(known.output_dir), "latest")  # no run there: say so before its flags are read
     saved = Path(known.output_dir) / "config.json"
     if known.resume and not known.config and saved.is_file():
         return ["--config", str(saved), *argv]
@@ -426,8 +485,11 @@ def summary(final: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the exit code (0, 2 for a bad configuration, 1 for another
-    error named on one line, 143 after a SIGTERM stop with a checkpoint saved)."""
+    """Command-line entry point; returns the exit code: 0, 2 for a bad command line or configuration
+    (nothing written), 1 for another error, 143 after a SIGTERM/SIGUSR1 stop with its checkpoint saved,
+    3 for a stop whose checkpoint could not be saved, 130 after SIGINT. An error is one line (under
+    ``launch.sh``, which prints it once for all ranks: :mod:`recipe.outcome`); tracebacks go to
+    ``<run>/error.log`` (``RECIPE_TRACEBACK=1`` raises instead)."""
     quiet_libraries()
     # torch.compile (--compile) compiles in this process: Inductor's default pool of compile-worker
     # subprocesses shares the ranks' process group, so a Ctrl-C reaches the workers too, and a rank's
@@ -437,38 +499,65 @@ def main(argv: list[str] | None = None) -> int:
     torch._inductor.config.compile_threads = 1
     argv = list(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", "0"))
+    outcome.announce(rank)
     stop = StopRequest().install()
     try:
         try:
             cfg = parse_args(with_run_config(argv))
+            check_run_dir(Path(cfg.output_dir), cfg.resume)  # a first refusal before any process group
         except USER_ERRORS as e:
-            return _fail(rank, e, 2)
+            return _fail(rank, e, stop, None, configuring=True)
         try:
             final = train(cfg, stop)
-        except USER_ERRORS as e:
-            return _fail(rank, e, 1, Path(cfg.output_dir))
+        except KeyboardInterrupt:
+            outcome.record(Outcome(rank, 130, "interrupted", "interrupted (SIGINT): stopped without saving; "
+                                   "--resume latest continues from the last checkpoint"))
+            return 130
+        except Exception as e:
+            return _fail(rank, e, stop, Path(cfg.output_dir))
     finally:
         stop.restore()
     if final.get("stopped"):
+        outcome.record(Outcome(rank, PREEMPTED_EXIT_CODE, "stopped"))
         return PREEMPTED_EXIT_CODE
+    outcome.record(Outcome(rank, 0, "done"))
     if rank == 0 and not final.get("finished"):
         print(summary(final), flush=True)
     return 0
 
 
-def _fail(rank: int, error: BaseException, code: int, run_dir: Path | None = None) -> int:
-    """One line naming the error (rank 0); the traceback goes to ``<run>/error.log`` when the run
-    directory exists (``RECIPE_TRACEBACK=1`` raises instead)."""
+def classify(error: BaseException, configuring: bool = False) -> tuple[str, int]:
+    """The outcome kind (:data:`recipe.outcome.KINDS`) and exit code of a rank that raised ``error``."""
+    if outcome.is_peer_lost(error):
+        return "peer", 1  # a consequence: another rank ended first
+    if isinstance(error, StopNotSaved):
+        return "stop_unsaved", STOP_UNSAVED_EXIT_CODE
+    if isinstance(error, USER_ERRORS):
+        return "user", 2 if configuring else 1
+    return "internal", 1
+
+
+def _fail(rank: int, error: BaseException, stop: StopRequest, run_dir: Path | None, configuring: bool = False) -> int:
+    """Reports ``error``: its traceback appended to ``<run>/error.log`` (not for a refused command
+    line or run directory: nothing is written then), its one line left for ``launch.sh`` or printed
+    here (rank 0, or a rank whose error is its own), and returns the exit code."""
     if os.environ.get("RECIPE_TRACEBACK") == "1":
         raise error
-    where = ""
-    if rank == 0 and run_dir is not None and run_dir.is_dir() and not isinstance(error, RunLockError):
-        text = "".join(traceback.format_exception(error))
-        checkpoint.atomic_write_bytes(run_dir / "error.log", text.encode())
-        where = f" (traceback: {run_dir / 'error.log'})"
-    if rank == 0:
-        print(f"error: {error}{where}", file=sys.stderr, flush=True)
-    else:
+    kind, code = classify(error, configuring)
+    first = (str(error).strip().splitlines() or [""])[0]
+    message = first if kind in ("user", "stop_unsaved") else f"{type(error).__name__}: {first}"
+    if kind == "peer":
+        message = f"rank {rank} lost contact with another rank, which ended first ({message})"
+    log = None
+    if run_dir is not None and not configuring and not isinstance(error, (RunLockError, RunDirError)):
+        # never into another run's directory; kept when a failed start is taken back (rundir.Claim.undo)
+        log = outcome.write_traceback(error, run_dir / ERROR_LOG, rank)
+    outcome.record(Outcome(rank, code, kind, message, str(log) if log else None))
+    if outcome.collected():
+        return code  # launch.sh prints one line for all ranks once they have ended
+    if rank == 0 or kind in ("internal", "stop_unsaved"):
+        print(f"error: {message}" + (f" (traceback: {log})" if log else ""), file=sys.stderr, flush=True)
+    if rank != 0:
         # the launcher terminates every rank as soon as one exits with an error: give rank 0 the
         # moment it needs to print the message before this rank's exit brings that about
         time.sleep(3)

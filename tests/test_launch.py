@@ -32,7 +32,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def env(work: Path, **extra: str) -> dict[str, str]:
-    e = dict(os.environ, DS_CONFIG=str(work / "ds.json"), DATA_DIR=str(work / "data"), **extra)
+    e = {**os.environ, "DS_CONFIG": str(work / "ds.json"), "DATA_DIR": str(work / "data"), **extra}
     e.pop("RECIPE_TRACEBACK", None)
     return e
 
@@ -64,7 +64,7 @@ def test_configuration_error_is_one_line_and_nonzero(work: Path) -> None:
     res = launch(work, "--steps", "0", "--output-dir", "runs/bad", timeout=300)
     out = (res.stdout + res.stderr).strip().splitlines()
     assert res.returncode == 2, out
-    assert out == ["error: steps must be >= 1, got 0"], out
+    assert out == ["error: --steps must be >= 1, got 0"], out
     assert not (work / "runs" / "bad").exists()  # nothing was written
 
 
@@ -152,13 +152,15 @@ def _as_from_a_terminal() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def start_long_run(work: Path, name: str) -> subprocess.Popen:
-    """A run far longer than the test, returned once it has logged two steps."""
+def start_long_run(work: Path, name: str, *args: str, workers: int = 0, own_session: bool = False,
+                   **extra: str) -> subprocess.Popen:
+    """A run far longer than the test, returned once it has logged two steps (``own_session``: in a
+    session of its own, so that the test can signal its whole process group or session)."""
     proc = subprocess.Popen(
         ["bash", str(LAUNCH), "--train-data", "data/train.csv", "--steps", "100000", "--log-every", "1",
-         "--eval-every", "0", "--workers", "0", "--vocab-size", "300", "--output-dir", f"runs/{name}"],
-        cwd=work, env=env(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        preexec_fn=_as_from_a_terminal,
+         "--eval-every", "0", "--workers", str(workers), "--vocab-size", "300", "--output-dir", f"runs/{name}", *args],
+        cwd=work, env=env(work, **extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=_as_from_a_terminal, start_new_session=own_session,
     )
     run = work / "runs" / name
     deadline = time.monotonic() + 300
@@ -193,3 +195,110 @@ def test_sigterm_saves_a_checkpoint_on_every_rank_and_stops(work: Path) -> None:
     assert not (run / "run.lock").exists()
     res = launch(work, "--output-dir", "runs/p", "--resume", "latest", "--steps", str(step + 1))
     assert res.returncode == 0 and f"resumed from step {step}" in res.stderr, (res.stdout + res.stderr)[-3000:]
+
+
+def last_line(text: str) -> str:
+    return [x for x in text.replace("\r", "\n").splitlines() if x.strip()][-1].strip()
+
+
+def saved_step(run: Path) -> int:
+    latest = (run / "checkpoints" / "latest").read_text()
+    return json.loads((run / "checkpoints" / latest / "COMPLETE").read_text())["step"]
+
+
+@pytest.mark.parametrize("sig, scope, ds", [
+    ("TERM", "session", "zero2_bf16_halfmaster.json"),  # SLURM's scancel / time limit: every process of the job
+    ("USR1", "session", "zero0_bf16_sr.json"),  # SLURM's --signal=USR1@SECONDS, on the one-GPU route
+    ("TERM", "group", "zero2_bf16_halfmaster.json"),  # `timeout`, `kill -- -PGID`: launch.sh's process group
+])
+def test_a_job_wide_signal_saves_a_checkpoint_with_dataloader_workers(work: Path, sig: str, scope: str, ds: str) -> None:
+    """Every process of the job gets the signal (DataLoader workers included, --workers 2): every rank
+    saves, launch.sh returns 143 only once every rank has ended, and the run resumes."""
+    cfg = json.loads((ROOT / "ds_configs" / ds).read_text())
+    cfg["train_micro_batch_size_per_gpu"] = 8
+    (work / f"sig-{ds}").write_text(json.dumps(cfg))
+    name = f"sig-{sig}-{scope}"
+    proc = start_long_run(work, name, workers=2, own_session=True, DS_CONFIG=str(work / f"sig-{ds}"))
+    run = work / "runs" / name
+    time.sleep(1.0)  # the workers of the current pass are up
+    if scope == "session":
+        subprocess.run(["pkill", f"-{sig}", "-s", str(proc.pid)], check=True)
+    else:
+        os.killpg(proc.pid, getattr(signal, f"SIG{sig}"))
+    out, _ = proc.communicate(timeout=180)
+    alive = ranks_of(name)
+    assert proc.returncode == 143, out[-3000:]
+    assert alive == b""  # launch.sh returned after its ranks
+    assert "is killed by signal" not in out and "Traceback" not in out, out[-3000:]
+    step = saved_step(run)
+    assert step >= 2 and f"stopped by SIG{sig} at step {step}: checkpoint" in last_line(out), out[-2000:]
+    assert not (run / "run.lock").exists()
+    res = launch(work, "--output-dir", f"runs/{name}", "--resume", "latest", "--steps", str(step + 1),
+                 DS_CONFIG=str(work / f"sig-{ds}"))
+    assert res.returncode == 0 and f"resumed from step {step}" in res.stderr, (res.stdout + res.stderr)[-3000:]
+
+
+def test_a_stop_whose_checkpoint_cannot_be_saved_exits_3_naming_the_step(work: Path) -> None:
+    proc = start_long_run(work, "unsaved", own_session=True)
+    run = work / "runs" / "unsaved"
+    (run / "checkpoints").write_text("")  # a file where the checkpoints must go: the save fails
+    subprocess.run(["pkill", "-TERM", "-s", str(proc.pid)], check=True)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 3, out[-3000:]
+    line = last_line(out)
+    assert line.startswith("error: stopped by SIGTERM after step ") and "its checkpoint was not saved" in line, line
+    assert "there is no complete checkpoint: the run restarts from step 0" in line
+    assert line.endswith(f"(traceback: runs/unsaved/error.log)") and "Traceback" not in out
+    assert ranks_of("unsaved") == b""
+
+
+def merged(work: Path, *args: str, **extra: str) -> subprocess.CompletedProcess:
+    """launch.sh with stdout and stderr in one stream, in the order they were written."""
+    return subprocess.run(["bash", str(LAUNCH), *args], cwd=work, env=env(work, **extra), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)
+
+
+def test_a_new_run_never_goes_into_another_run(work: Path) -> None:
+    res = merged(work, "--train-data", "data/train.csv", *SMALL, "--output-dir", "runs/first")
+    assert res.returncode == 0, res.stdout[-3000:]
+    run = work / "runs" / "first"
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    res = merged(work, "--train-data", "data/train.csv", *SMALL, "--steps", "2", "--output-dir", "runs/first")
+    assert res.returncode == 2 and res.stdout.strip().splitlines() == [
+        "error: --output-dir runs/first already holds a run (config.json, checkpoints/, metrics.jsonl, "
+        "final_metrics.json, model_config.json, tokenizer/): give --resume latest to continue it, or another "
+        "--output-dir for a new run"], res.stdout[-3000:]
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing written
+    res = merged(work, "--resume", "latest", "--output-dir", "runs/nothing-here")
+    assert res.returncode == 2 and res.stdout.strip().splitlines() == [
+        "error: --resume latest: runs/nothing-here does not exist, so there is no run to continue (leave out "
+        "--resume to start a new run there)"], res.stdout
+    assert not (work / "runs" / "nothing-here").exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("--train-data", "data/missing.csv"), "error: data path 'data/missing.csv' does not exist"),
+    (("--train-data", "data/train.csv", "--image-column", "picture"),
+     "error: --image-column 'picture' not found in csv data at "),
+])
+def test_a_failed_start_is_one_line_and_takes_back_what_it_wrote(work: Path, args: tuple, expected: str) -> None:
+    """Rank 0 and rank 1 both fail (rank 1 in a collective rank 0 left): the output ends with one
+    line naming the cause and the log holding both tracebacks; the run directory keeps only that log."""
+    name = "failed-" + args[-1].replace(".", "-").replace("/", "-")
+    res = merged(work, *args, *SMALL, "--output-dir", f"runs/{name}")
+    assert res.returncode == 1, res.stdout[-3000:]
+    line = last_line(res.stdout)
+    assert line.startswith(expected) and line.endswith(f"(traceback: runs/{name}/error.log)"), res.stdout[-3000:]
+    assert res.stdout.count("error:") == 1 and "Traceback" not in res.stdout and "[rank1]" not in res.stdout
+    run = work / "runs" / name
+    assert sorted(p.name for p in run.iterdir()) == ["error.log"]
+    log = (run / "error.log").read_text()
+    assert "=== rank 0 " in log and "=== rank 1 " in log and "Traceback" in log
+
+
+def test_a_mistyped_flag_is_one_line_with_the_flag_meant(work: Path) -> None:
+    res = merged(work, "--train-data", "data/train.csv", "--imge-column", "x", "--output-dir", "runs/typo")
+    assert res.returncode == 2 and res.stdout.strip().splitlines() == [
+        "error: unrecognized arguments: --imge-column x (did you mean --image-column?); --help lists every flag"
+    ], res.stdout
+    assert not (work / "runs" / "typo").exists()

@@ -61,14 +61,14 @@ def _pick_column(
 ) -> str:
     if configured is not None:
         if configured not in columns:
-            raise ValueError(f"{kind} column {configured!r} not found in {where}; available columns: {list(columns)}")
+            raise ValueError(f"--{kind}-column {configured!r} not found in {where}; available columns: {list(columns)}")
         return configured
     for name in candidates:
         if name in columns:
             return name
     raise ValueError(
         f"no {kind} column found in {where} (tried {list(candidates)}); available columns: {list(columns)}. "
-        f"Set {kind}_column explicitly."
+        f"Set --{kind}-column explicitly."
     )
 
 
@@ -318,7 +318,7 @@ def _check_column_type(kind: str, column: str, feature: Any, where: str) -> None
     if not ok:
         raise ValueError(
             f"{kind} column {column!r} of {where} holds {name} values, not {_EXPECTED[kind]}; "
-            f"set {kind}_column to the column that does"
+            f"set --{kind}-column to the column that does"
         )
 
 
@@ -377,7 +377,7 @@ def _check_some_images_exist(source: MapSource, probe: int = 16) -> None:
     if paths and not any(os.path.exists(p) for p in paths):
         raise FileNotFoundError(
             f"none of the first {len(paths)} image paths in column {source.image_column!r} of "
-            f"{source.description} exists (first: {paths[0]!r}); check image_root or image_column"
+            f"{source.description} exists (first: {paths[0]!r}); check --image-root or --image-column"
         )
 
 

@@ -9,7 +9,9 @@ loaders its ``train_data``/``split``/``workers``, evaluation loaders its
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -20,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from recipe.config import DataConfig
+from recipe.preempt import forking_workers, protect_worker
 
 from .classfolder import has_metadata_file, open_class_folder
 from .decode import REPEATED, SKIP_REASONS, SampleDecoder, Tokenize, build_transform, clean_caption
@@ -404,9 +407,12 @@ class ClipLoader:
             producer.num_workers = max(1, self.num_workers)
             producer.starts = {w: (None if s.ended else (s.i, s.pos)) for w, s in enumerate(self._workers)}
             prefetch = self.prefetch_factor if self.num_workers > 0 else None
+            # workers deaf to a job-wide SIGTERM/SIGUSR1 (the rank saves, then ends them): recipe.preempt
+            init = functools.partial(protect_worker, rank_pid=os.getpid()) if self.num_workers > 0 else None
             dl = DataLoader(producer, batch_size=None, num_workers=self.num_workers, collate_fn=_identity,
-                            pin_memory=self.pin_memory, prefetch_factor=prefetch)
-            it = iter(dl)
+                            pin_memory=self.pin_memory, prefetch_factor=prefetch, worker_init_fn=init)
+            with forking_workers():
+                it = iter(dl)
             buffer: dict[tuple[int, int], dict] = {}
             try:
                 while not all(s.ended for s in self._workers):
@@ -466,7 +472,7 @@ def _build_loader(cfg: DataConfig, tokenize: Tokenize | None, image_data_config:
     workers_field = "workers" if layout.train else "eval_workers"
     workers = getattr(cfg, workers_field)
     if workers < 0:
-        raise ValueError(f"{workers_field} must be >= 0, got {workers}")
+        raise ValueError(f"--{workers_field.replace('_', '-')} must be >= 0, got {workers}")
     source = open_source(cfg, train=layout.train, classes=classes)
     with_labels = source.label_column is not None if isinstance(source, MapSource) else source.label_field is not None
     with_captions = not isinstance(source, MapSource) or source.caption_column is not None

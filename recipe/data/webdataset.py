@@ -241,7 +241,7 @@ class StreamSource:
 
 def _check_extension(kind: str, wanted: str, found: set[str], where: str) -> str:
     if wanted not in found:
-        raise ValueError(f"{kind} column {wanted!r} not found in {where}; extensions found: {sorted(found)}")
+        raise ValueError(f"--{kind}-column {wanted!r} not found in {where}; extensions found: {sorted(found)}")
     return wanted
 
 
@@ -283,12 +283,12 @@ def open_stream_source(
         if not found & set(image_fields):
             raise ValueError(
                 f"no image files ({', '.join(image_fields)}) in the first samples of {where}; "
-                f"extensions found: {sorted(found)}. Set image_column."
+                f"extensions found: {sorted(found)}. Set --image-column."
             )
     else:
         image_fields = tuple(e.strip().lower().lstrip(".") for e in image_column.split(";") if e.strip())
         if not found & set(image_fields):
-            raise ValueError(f"image column {image_column!r} not found in {where}; extensions found: {sorted(found)}")
+            raise ValueError(f"--image-column {image_column!r} not found in {where}; extensions found: {sorted(found)}")
     caption_field = (caption_column or WDS_CAPTION_EXTENSION).lower().lstrip(".")
     caption_field = _check_extension("caption", caption_field, found, where)
     label_field = None

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from recipe.config import (
+    OneLineParser,
     CONTRASTIVE_BATCH_NAMES,
     LOSS_MODE_NAMES,
     LOSS_NAMES,
@@ -119,7 +120,7 @@ class VerifyConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     """One flag per field of :class:`VerifyConfig`, with its help text and default."""
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(  # a mistyped flag is one line from rank 0, not the usage text from every rank
         prog="python -m recipe.verify",
         description="Preflight of a run on its cluster: sharded losses against a float64 reference, the "
                     "optimizer's default implementation against its definition, all-gather/reduce-scatter "
@@ -331,13 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     from recipe.quiet import quiet_libraries
 
     quiet_libraries()
-    args = build_parser().parse_args(argv)
-    cfg = VerifyConfig(**vars(args))
     rank = _env_int("RANK", default=0)
     from recipe.plan import PlanError
     from recipe.precision import ConfigError
 
     try:
+        cfg = VerifyConfig(**vars(build_parser().parse_args(argv)))
         cfg.validate()
         settings = resolve(cfg)
     except (VerifyError, PlanError, ConfigError, FileNotFoundError, ValueError) as e:

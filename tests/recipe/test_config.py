@@ -13,7 +13,7 @@ import torch
 
 import typing
 
-from recipe.config import TrainConfig, _flag, _leaves, _sections, _unwrap, build_parser, config_from_dict, parse_args
+from recipe.config import TrainConfig, _flag, _leaves, _sections, _unwrap, build_parser, config_from_dict, parse_args, UsageError
 from recipe.encoders import TEXT_CONFIGS
 from recipe.model import PRESETS
 from recipe.precision import ConfigError, DynamicLossScaler, read_ds_config, resolve_precision
@@ -79,13 +79,13 @@ def test_data_options_reach_the_one_data_config() -> None:
 
 
 def test_prefixes_of_flags_are_not_taken_for_the_flag() -> None:
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="unrecognized arguments: --loss-m chunked \\(did you mean --loss-mode\\?\\)"):
         parse_args(["--deepspeed_config", DS, "--loss-m", "chunked"])  # not --loss-mode
     # --loss is a flag of its own (clip or siglip), never a prefix of --loss-mode
     assert parse_args(["--deepspeed_config", DS, "--loss", "siglip"]).loss_mode == "plain"
-    with pytest.raises(ValueError, match="loss must be one of clip, siglip, got 'chunked'"):
+    with pytest.raises(ValueError, match="--loss must be one of clip, siglip, got 'chunked'"):
         parse_args(["--deepspeed_config", DS, "--loss", "chunked"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="--warmup 3 \\(did you mean --warmup-steps\\?\\); --help lists every flag"):
         parse_args(["--deepspeed_config", DS, "--warmup", "3"])  # not --warmup-steps
 
 
@@ -111,25 +111,25 @@ def test_config_file_round_trip_and_flag_override(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "argv, error",
     [
-        (["--steps", "0"], "steps"),
-        (["--steps", "5", "--epochs", "1"], "steps or epochs"),
-        (["--loss-mode", "dense"], "loss_mode"),
-        (["--contrastive-batch", "full"], "contrastive_batch must be one of global, micro, got 'full'"),
-        (["--schedule", "step"], "schedule"),
-        (["--lr", "-1"], "lr"),
-        (["--workers", "-1"], "workers"),
-        (["--chunk-size", "0"], "chunk_size"),
-        (["--embed-dim", "0"], "embed_dim must be >= 1, got 0"),
-        (["--image-size", "0"], "image_size must be >= 1, got 0"),
-        (["--context-length", "-3"], "context_length must be >= 1, got -3"),
-        (["--vocab-size", "0"], "vocab_size"),
-        (["--eval-batch-size", "0"], "eval_batch_size"),
-        (["--epochs", "0"], "epochs must be > 0"),
-        (["--num-samples", "0"], "num_samples"),
-        (["--hflip", "1.5"], "hflip must be <= 1"),
-        (["--beta2", "1"], "beta2 must be < 1"),
-        (["--train-scale", "0", "1"], "train_scale must be > 0"),
-        (["--train-scale", "1", "0.5"], "train_scale must be a range"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--steps", "5", "--epochs", "1"], "give --steps or --epochs, not both"),
+        (["--loss-mode", "dense"], "--loss-mode must be one of"),
+        (["--contrastive-batch", "full"], "--contrastive-batch must be one of global, micro, got 'full'"),
+        (["--schedule", "step"], "--schedule must be"),
+        (["--lr", "-1"], "--lr must be"),
+        (["--workers", "-1"], "--workers must be >= 0"),
+        (["--chunk-size", "0"], "--chunk-size must be"),
+        (["--embed-dim", "0"], "--embed-dim must be >= 1, got 0"),
+        (["--image-size", "0"], "--image-size must be >= 1, got 0"),
+        (["--context-length", "-3"], "--context-length must be >= 1, got -3"),
+        (["--vocab-size", "0"], "--vocab-size must be"),
+        (["--eval-batch-size", "0"], "--eval-batch-size must be"),
+        (["--epochs", "0"], "--epochs must be > 0"),
+        (["--num-samples", "0"], "--num-samples must be"),
+        (["--hflip", "1.5"], "--hflip must be <= 1"),
+        (["--beta2", "1"], "--beta2 must be < 1"),
+        (["--train-scale", "0", "1"], "--train-scale must be > 0"),
+        (["--train-scale", "1", "0.5"], "--train-scale must be a range"),
         (["--text-encoder", "no-such-tower"], "text encoder 'no-such-tower' is neither a built-in text tower"),
         (["--image-encoder", "resnet_99"], "image encoder 'resnet_99' is not a timm model name"),
         (["--deepspeed_config", "missing.json"], "DeepSpeed config"),
@@ -170,11 +170,11 @@ def test_every_number_in_the_config_is_range_checked() -> None:
         for kind, bound in bounds[name].items():
             bad = {"ge": bound - 1, "gt": bound, "le": bound + 1, "lt": bound}[kind]
             argv = ["--deepspeed_config", DS, _flag(name), *[str(int(bad) if is_int else float(bad))] * width]
-            with pytest.raises(ValueError, match=f"^{name} must be"):
+            with pytest.raises(ValueError, match=f"^{_flag(name)} must be"):
                 parse_args(argv)
             if kind == "ge" and width == 1:  # the bound itself is in range
                 parse_args(["--deepspeed_config", DS, _flag(name), str(int(bound) if is_int else float(bound))])
-    with pytest.raises(ValueError, match="steps must be an integer"):
+    with pytest.raises(ValueError, match="--steps must be an integer"):
         config_from_dict({"steps": 2.5, "deepspeed_config": DS}).validate()
 
 

@@ -104,6 +104,6 @@ def test_a_table_without_captions_is_labelled_evaluation_data(tmp_path):
     assert torch.cat([b["labels"] for b in batches]).tolist() == [0, 1, 0, 1, 0]
     with pytest.raises(ValueError, match="no caption column"):  # without labels: nothing to evaluate
         build_eval_loader(cfg_for(d / "val.csv", tmp_path), tokenize, IMAGE_CFG, 2)
-    with pytest.raises(ValueError, match="caption column 'title' not found"):  # a configured column must exist
+    with pytest.raises(ValueError, match="--caption-column 'title' not found"):  # a configured column must exist
         build_eval_loader(cfg_for(d / "val.csv", tmp_path, label_column="label", caption_column="title"),
                           tokenize, IMAGE_CFG, 2)

@@ -151,18 +151,18 @@ def test_split_and_val_split_pick_the_splits_of_one_directory(syn, multi_split, 
 
 def test_wrong_column_names_are_clear_errors(syn, tmp_path):
     csv_path = os.path.join(syn, "train.csv")
-    with pytest.raises(ValueError, match="caption column 'caption_x' not found.*title"):
+    with pytest.raises(ValueError, match="--caption-column 'caption_x' not found.*title"):
         build_train_loader(cfg_for(csv_path, tmp_path, caption_column="caption_x"), tokenize, IMAGE_CFG, 2)
-    with pytest.raises(ValueError, match="image column 'img_x' not found"):
+    with pytest.raises(ValueError, match="--image-column 'img_x' not found"):
         build_train_loader(cfg_for(csv_path, tmp_path, image_column="img_x"), tokenize, IMAGE_CFG, 2)
-    with pytest.raises(ValueError, match="label column 'klass' not found"):
+    with pytest.raises(ValueError, match="--label-column 'klass' not found"):
         build_eval_loader(cfg_for(csv_path, tmp_path, label_column="klass"), tokenize, IMAGE_CFG, 2)
     # a training loader never reads labels, so a wrong label column does not stop it
     assert len(build_train_loader(cfg_for(csv_path, tmp_path, label_column="klass"), tokenize, IMAGE_CFG, 2)) == 12
     wds = os.path.join(syn, "wds", "train")
-    with pytest.raises(ValueError, match="caption column 'caption' not found.*txt"):
+    with pytest.raises(ValueError, match="--caption-column 'caption' not found.*txt"):
         build_train_loader(cfg_for(wds, tmp_path, caption_column="caption"), tokenize, IMAGE_CFG, 2)
-    with pytest.raises(ValueError, match="image column 'jpg' not found"):
+    with pytest.raises(ValueError, match="--image-column 'jpg' not found"):
         build_train_loader(cfg_for(wds, tmp_path, image_column="jpg"), tokenize, IMAGE_CFG, 2)
     # no candidate column at all
     d = tmp_path / "nocols"
@@ -179,7 +179,7 @@ def test_missing_paths_are_clear_errors(syn, tmp_path):
         build_train_loader(cfg_for(missing, tmp_path), tokenize, IMAGE_CFG, 2)
     with pytest.raises(FileNotFoundError, match="matches no file"):
         build_train_loader(cfg_for(str(tmp_path / "*.tar"), tmp_path), tokenize, IMAGE_CFG, 2)
-    with pytest.raises(FileNotFoundError, match="image_root"):
+    with pytest.raises(FileNotFoundError, match="check --image-root or --image-column"):
         build_train_loader(cfg_for(train_csv, tmp_path, image_root=str(tmp_path)), tokenize, IMAGE_CFG, 2)
     with pytest.raises(ValueError, match="unknown data format 'xml'"):
         build_train_loader(cfg_for(train_csv, tmp_path, data_format="xml"), tokenize, IMAGE_CFG, 2)
