@@ -109,3 +109,18 @@ def test_a_failed_resumed_start_restores_the_files_it_rewrote(tmp_path: Path) ->
     (run / "checkpoints" / "step00000040" / "x").unlink()
     claim.undo()
     assert snapshot(tmp_path) == before
+
+
+def test_resume_latest_of_a_run_without_a_checkpoint_starts_it_again(tmp_path: Path, capsys) -> None:
+    """A run that failed after its first step but before its first save: --resume latest starts it
+    again from step 0 (saying so) instead of refusing; an explicit checkpoint still must exist."""
+    from recipe.checkpoint import CheckpointError
+    from recipe.train import restore
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step00000004").mkdir(parents=True)  # a save cut short: no COMPLETE marker
+    (run / "config.json").write_text("{}")
+    state = restore(None, run, "latest", None, None)
+    assert state.step == 0 and "has no complete checkpoint yet: starting it again from step 0" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        restore(None, run, str(run / "checkpoints" / "step00000004"), None, None)

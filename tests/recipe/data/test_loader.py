@@ -98,7 +98,7 @@ def test_workers_and_eval_workers_are_honoured(syn, tmp_path, kind):
     assert train.num_workers == 2 and made_by(collect(train)) == [1, 2] * 3
     evald = build_eval_loader(train_only, worker_tokenize, IMAGE_CFG, 4)
     assert evald.num_workers == 0 and made_by(collect(evald)) == [0] * math.ceil(N_TRAIN / 4)
-    with pytest.raises(ValueError, match="eval_workers must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="--eval-workers must be >= 0, got -1"):
         build_eval_loader(cfg_for(path, tmp_path, eval_workers=-1), tokenize, IMAGE_CFG, 4)
     with pytest.raises(ValueError, match="workers must be >= 0, got -1"):
         build_train_loader(cfg_for(path, tmp_path, workers=-1, eval_workers=0), tokenize, IMAGE_CFG, 4)
