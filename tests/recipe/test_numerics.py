@@ -266,7 +266,7 @@ def test_flag_default_off_and_bad_values() -> None:
     assert build_numerics(opt, None, 7).every == 7  # unset: every log step
     assert build_numerics(opt, 3, 7).every == 3
     assert build_numerics(opt, 0, 7) is None
-    with pytest.raises(ValueError, match="numerics_every must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="--numerics-every must be >= 0, got -1"):
         parse_args(["--numerics-every", "-1"])
     with pytest.raises(ValueError, match=">= 0"):
         NumericsMonitor(opt, every=-2)
