@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         out, run = _export(args.run_dir, args.format, args.out, args.dtype, args.overwrite, args.ema, args.weights)
-    except (UnsupportedExport, CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
+    except (UnsupportedExport, CheckpointError, FileNotFoundError, FileExistsError, PermissionError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1 if isinstance(e, UnsupportedExport) else 2
     print(f"wrote {out} ({args.format}, {args.dtype}, {describe(run, args.dtype)})")
