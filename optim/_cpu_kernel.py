@@ -41,7 +41,8 @@ import torch
 from ._rows import INT_WORDS, ROW_WORDS, Slot, Word, call_arguments, copy_back, metadata, prepare, specialisation
 from .functional import TensorStep
 
-__all__ = ["cpu_updates_", "grad_amax", "available", "unavailable_reason", "library_path"]
+__all__ = ["cpu_updates_", "grad_amax", "grad_amax_of", "amax_kinds", "plan_calls", "run", "available",
+           "unavailable_reason", "library_path"]
 
 SOURCE = Path(__file__).with_name("csrc") / "sradamw_cpu.cpp"
 AMAX_SOURCE = SOURCE.with_name("grad_amax_cpu.cpp")
@@ -176,10 +177,20 @@ def grad_amax(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     for g in grads:
         if g.device.type != "cpu" or g.dtype not in _AMAX_KIND:
             raise ValueError(f"grad_amax takes float32/bfloat16/float16 CPU tensors, got {g.dtype} on {g.device}")
-    n = len(grads)
     meta = torch.tensor([g.data_ptr() for g in grads] + [g.numel() for g in grads], dtype=torch.int64)
-    kinds = torch.tensor([_AMAX_KIND[g.dtype] for g in grads], dtype=torch.int32)
-    out = torch.empty(n, dtype=torch.float32)
+    return grad_amax_of(meta, amax_kinds(grads), torch.empty(len(grads), dtype=torch.float32), grads)
+
+
+def amax_kinds(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The dtype codes :func:`grad_amax_of` takes, int32 ``[len(grads)]``."""
+    return torch.tensor([_AMAX_KIND[g.dtype] for g in grads], dtype=torch.int32)
+
+
+def grad_amax_of(meta: torch.Tensor, kinds: torch.Tensor, out: torch.Tensor, keep: Any = None) -> torch.Tensor:
+    """:func:`grad_amax` into ``out`` (float32 ``[n]``) of ``n`` contiguous CPU tensors given by ``meta``
+    (int64 ``[2n]``: their addresses, then their element counts) and their :func:`amax_kinds` codes
+    (checked by the caller; ``keep``: the tensors, alive during the call). Returns ``out``."""
+    n = out.numel()
     fn = _load("amax", lambda: _build(None, AMAX_SOURCE), "grad_amax_cpu",
                [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int])
     fn(meta.data_ptr(), meta.data_ptr() + 8 * n, kinds.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
@@ -241,20 +252,35 @@ def cpu_updates_(
         return 0
     gmul_mode, gmul_value, gmul_tensor, skip = call_arguments(grad_mul, found_inf, _cpu_float)
 
-    items: list[tuple[TensorStep, torch.Tensor, torch.Tensor]] = []
-    groups: dict[tuple, list[int]] = {}  # specialisation -> rows of the table
+    groups: dict[tuple, list[tuple[TensorStep, torch.Tensor, torch.Tensor]]] = {}  # specialisation -> rows
     for s in steps:
         if s.param.device.type != "cpu":
             raise ValueError(f"the SRAdamW CPU kernel takes CPU tensors, got one on {s.param.device}")
         param, grad = prepare(s, states_checked)
-        groups.setdefault(specialisation(s, grad, gmul_mode), []).append(len(items))
-        items.append((s, param, grad))
-
+        groups.setdefault(specialisation(s, grad, gmul_mode), []).append((s, param, grad))
+    items = [item for rows in groups.values() for item in rows]  # rows contiguous per specialisation
     table = metadata(items, gmul_value)  # every row at once; items keeps the addressed tensors alive
-    threads = torch.get_num_threads()
-    for spec, rows in groups.items():
-        part = table if len(groups) == 1 else table[torch.tensor(rows)]
-        _kernel(spec)(part.data_ptr(), len(rows), skip.data_ptr() if skip is not None else None,
-                      gmul_tensor.data_ptr() if gmul_tensor is not None else None, threads)
+    run(table, plan_calls([(spec, len(rows)) for spec, rows in groups.items()]), skip, gmul_tensor)
     copy_back(items)
     return len(groups)
+
+
+def plan_calls(groups: Sequence[tuple[tuple, int]]) -> list[tuple[tuple, int, int]]:
+    """``(specialisation, first row, rows)`` per kernel call, for groups given as ``(specialisation,
+    rows)`` whose rows follow each other in the table in that order."""
+    out, start = [], 0
+    for spec, count in groups:
+        out.append((spec, start, count))
+        start += count
+    return out
+
+
+def run(table: torch.Tensor, calls: Sequence[tuple[tuple, int, int]], skip: torch.Tensor | None,
+        gmul_tensor: torch.Tensor | None) -> None:
+    """One kernel call per group of :func:`plan_calls` over the contiguous int64 metadata ``table``
+    (the one place that calls the kernel; a host-time benchmark records here)."""
+    threads = torch.get_num_threads()
+    base = table.data_ptr()
+    for spec, start, count in calls:
+        _kernel(spec)(base + start * ROW_WORDS * 8, count, skip.data_ptr() if skip is not None else None,
+                      gmul_tensor.data_ptr() if gmul_tensor is not None else None, threads)

@@ -34,17 +34,19 @@ __all__ = [
 class Word(IntEnum):
     """The int64 words of a metadata row."""
 
+    # the words that stay from step to step (a step plan writes them once: optim._plan)
     P = 0  # address of the parameter
-    G = 1  # address of the gradient
-    M = 2  # address of exp_avg
-    V = 3  # address of exp_avg_sq
-    MASTER = 4  # address of the float32 master, or of the int16 low halves of a split one (0: none)
-    M_SCALE_OLD = 5  # addresses of exp_avg's (old, new) 0-dim float32 state scales (0: none)
-    M_SCALE_NEW = 6
-    V_SCALE_OLD = 7  # the same for exp_avg_sq
-    V_SCALE_NEW = 8
-    NUMEL = 9  # number of elements
-    NOISE_BASE = 10  # noise index of element 0
+    M = 1  # address of exp_avg
+    V = 2  # address of exp_avg_sq
+    MASTER = 3  # address of the float32 master, or of the int16 low halves of a split one (0: none)
+    M_SCALE_OLD = 4  # addresses of exp_avg's (old, new) 0-dim float32 state scales (0: none)
+    M_SCALE_NEW = 5
+    V_SCALE_OLD = 6  # the same for exp_avg_sq
+    V_SCALE_NEW = 7
+    NUMEL = 8  # number of elements
+    NOISE_BASE = 9  # noise index of element 0
+    # the words that change every step, adjacent to each other and to the float slots after them
+    G = 10  # address of the gradient
     A_P = 11  # key words (optim.rounding.key_words) of the weight's noise key, in [0, 2**32)
     B_P = 12
     A_S = 13  # the same for the statistics' key (high half of its hash: exp_avg, low half: exp_avg_sq)

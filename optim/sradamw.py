@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import operator
+from collections import defaultdict
 from collections.abc import Callable, Iterable
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -17,6 +20,8 @@ from .functional import (
     apply_update_,
     state_scale,
 )
+from ._plan import Plan
+from ._rows import call_arguments
 from .master16 import join_master
 from .rounding import derive_key, fold_key
 
@@ -53,7 +58,8 @@ class _PendingSkip:
 
     def __init__(self, flag: torch.Tensor) -> None:
         # queued before the update kernels, so that settling waits for the flag, not for the update
-        self.states: list[dict[str, Any]] = []
+        self.states: list[dict[str, Any]] = []  # the general path's states (their counters looked up then)
+        self.counters: torch.Tensor | None = None  # a plan's packed counters
         self.event = None
         if flag.device.type == "cuda":
             self.host = torch.empty((), dtype=torch.bool, pin_memory=True)
@@ -85,6 +91,84 @@ def _grad_amax(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_GRAD = operator.attrgetter("grad")
+_MAX_PLANS = 8
+
+
+class _Version:
+    """A counter that every write to SRAdamW's state containers advances: a step plan (``optim._plan``)
+    holds addresses of state tensors, and is retired when the state may have changed under it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+class _State(dict):
+    """One parameter's state; an assignment or removal of an entry advances the optimizer's :class:`_Version`."""
+
+    __slots__ = ("_version",)
+
+    def __init__(self, version: _Version, *args: Any) -> None:
+        super().__init__(*args)
+        self._version = version
+
+    def _bump(self) -> None:
+        self._version.value += 1
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._bump()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self._bump()
+        super().__delitem__(key)
+
+    def __reduce__(self) -> Any:  # pickles (and deep-copies) as a plain dict: checkpoints name no class of ours
+        return (dict, (dict(self),))
+
+    def _changes(name: str) -> Callable[..., Any]:
+        method = getattr(dict, name)
+
+        def changed(self: "_State", *args: Any, **kwargs: Any) -> Any:
+            self._bump()
+            return method(self, *args, **kwargs)
+
+        changed.__name__ = name
+        return changed
+
+    update = _changes("update")
+    pop = _changes("pop")
+    popitem = _changes("popitem")
+    clear = _changes("clear")
+    setdefault = _changes("setdefault")
+    del _changes
+
+
+class _States(defaultdict):
+    """``optimizer.state`` (parameter -> :class:`_State`); an assignment or removal advances the :class:`_Version`."""
+
+    def __init__(self, version: _Version, items: Any = ()) -> None:
+        super().__init__(None)
+        self._version = version
+        for k, v in dict(items).items():
+            super().__setitem__(k, v if isinstance(v, _State) else _State(version, v))
+
+    def __missing__(self, key: Any) -> _State:
+        value = self[key] = _State(self._version)
+        return value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._version.value += 1
+        super().__setitem__(key, value if isinstance(value, _State) else _State(self._version, value))
+
+    def __delitem__(self, key: Any) -> None:
+        self._version.value += 1
+        super().__delitem__(key)
+
+    def __reduce__(self) -> Any:  # a plain defaultdict(dict) of plain dicts
+        return (defaultdict, (dict,), None, None, iter(dict(self).items()))
 
 
 def _check_state(p: torch.Tensor, state: dict[str, Any], name: str) -> None:
@@ -268,6 +352,10 @@ class SRAdamW(Optimizer):
         self._key_prefixes: dict[tuple[int, int], int] = {}  # (rank, tensor index) -> derive_key(seed, rank, index)
         self.fused = fused
         super().__init__(params, defaults)
+        self._version = _Version()
+        self.state = _States(self._version)
+        self._plans: list[Plan] = []  # optim._plan: the cached work of steps over the same tensors
+        self._use_plans = True  # False: every step takes the general path (tests compare the two)
         if fused:
             runs_on = "cpu" if _fused_kernel().interpreting() else "cuda"
             for group in self.param_groups:
@@ -282,6 +370,12 @@ class SRAdamW(Optimizer):
         """Adds a group after validating its hyperparameters (``ValueError`` names a bad one)."""
         super().add_param_group(param_group)
         _validate_group(self.param_groups[-1])
+        self._retire_plans()
+
+    def _retire_plans(self) -> None:
+        """Forgets every step plan (the groups or states changed); the next step takes the general path."""
+        if getattr(self, "_plans", None):
+            self._plans.clear()
 
     @property
     def skipped_steps(self) -> int:
@@ -308,6 +402,8 @@ class SRAdamW(Optimizer):
         """Applies a deferred skip decision to the host bookkeeping: a skipped step advances nothing."""
         pending, self._pending = self._pending, None
         if pending is not None and pending.skipped():
+            if pending.counters is not None:
+                pending.counters.sub_(1)
             for state in pending.states:
                 state["step"] -= 1
             self._skipped_steps += 1
@@ -342,14 +438,22 @@ class SRAdamW(Optimizer):
 
         From the gradients' maxima (:meth:`_grad_maxima`) times ``|grad_mul|`` (rounding is
         monotonic, so the largest product overflows exactly when one does)."""
+        flag = SRAdamW._nonfinite_flag(maxima, grad_mul)
+        return None if flag is None else flag.to(torch.float32).reshape(1)
+
+    @staticmethod
+    def _nonfinite_flag(maxima: dict[torch.device, torch.Tensor], grad_mul: torch.Tensor | float | None) -> torch.Tensor | None:
+        """:meth:`_nonfinite` as a 0-dim bool tensor (one device: three operations)."""
         if not maxima:
             return None
         flags = []
         for amax in maxima.values():
             if grad_mul is not None:
                 amax = amax * (grad_mul.abs().to(amax.device) if isinstance(grad_mul, torch.Tensor) else abs(grad_mul))
-            flags.append(torch.isfinite(amax).all().logical_not().reshape(1))
-        return torch.cat([f.to(flags[0].device) for f in flags]).any().to(torch.float32).reshape(1)
+            flags.append(torch.isfinite(amax).all().logical_not())
+        if len(flags) == 1:
+            return flags[0]
+        return torch.stack([f.to(flags[0].device) for f in flags]).any()
 
     def _skip_flag(self, found_inf: Any, grad_mul: torch.Tensor | float | None,
                    maxima: dict[torch.device, torch.Tensor]) -> bool | torch.Tensor:
@@ -360,14 +464,20 @@ class SRAdamW(Optimizer):
             found = found_inf.detach().reshape(1).to(torch.float32)
         elif found_inf is not None and float(found_inf) != 0.0:  # a number or CPU memory: no device sync
             return True
+        dist = torch.distributed
+        shared = dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
+        if found is None and not shared and self.nonfinite == "skip":  # the flag alone decides: fewest operations
+            bad = self._nonfinite_flag(maxima, grad_mul) if self.check_finite else None
+            if bad is None:
+                return False
+            return bad if self._defers(bad) else bool(bad)  # CPU memory: reading it is no device sync
         bad = self._nonfinite(maxima, grad_mul) if self.check_finite else None
         if bad is None:
             return False if found is None else found.reshape(()) != 0
         # [found_inf, non-finite gradients], where the gradients are (a device flag crossing to CPU
         # parameters waits for its device: a mixed setup only)
         flags = torch.cat([found.to(bad.device) if found is not None else torch.zeros_like(bad), bad])
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
+        if shared:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
         if self.nonfinite == "raise":
             found_now, bad_now = flags.tolist()  # host read (a sync on a device): raising cannot wait
@@ -452,17 +562,18 @@ class SRAdamW(Optimizer):
         operations (a Python hash chain per tensor and step cost ~20 us each)."""
         if not steps:
             return
-        prefixes = []
-        for s in steps:
-            index = self.state[s.param]["index"]
-            prefix = self._key_prefixes.get((rank, index))
-            if prefix is None:
-                prefix = self._key_prefixes[(rank, index)] = derive_key(self.seed, rank, index)
-            prefixes.append(prefix)
+        prefixes = [self._key_prefix(rank, self.state[s.param]["index"]) for s in steps]
         h = fold_key(torch.tensor(prefixes, dtype=torch.int64), torch.tensor([s.step for s in steps], dtype=torch.int64))
         keys = torch.stack([fold_key(h, stream) for stream in _STREAMS], 1)  # CPU [tensors, 2], never read back
         for s, k in zip(steps, keys.unbind()):
             s.keys = k
+
+    def _key_prefix(self, rank: int, index: int) -> int:
+        """``derive_key(seed, rank, index)``, cached: the part of a tensor's noise key that never changes."""
+        prefix = self._key_prefixes.get((rank, index))
+        if prefix is None:
+            prefix = self._key_prefixes[(rank, index)] = derive_key(self.seed, rank, index)
+        return prefix
 
     def _f16_scales(
         self, items: list[TensorStep], grad_mul: torch.Tensor | float | None, skip: torch.Tensor | None,
@@ -546,6 +657,8 @@ class SRAdamW(Optimizer):
             if grad_mul.numel() != 1:
                 raise ValueError(f"grad_scale / inv_grad_scale must hold one value, got shape {tuple(grad_mul.shape)}")
             grad_mul = grad_mul.to(torch.float32).reshape(())  # GradScaler's scale has shape [1]
+        if self._use_plans and self._plans and self._plan_step(found_inf, grad_mul):
+            return loss
         maxima = self._grad_maxima() if self.check_finite or self._has_scaled_states() else {}
         skip = self._skip_flag(found_inf, grad_mul, maxima)
         if skip is True:
@@ -577,7 +690,84 @@ class SRAdamW(Optimizer):
         if pending is not None:
             pending.states = [self.state[s.param] for items in specs.values() for s in items]
             self._pending = pending
+        self._leave_plan(specs, todo, grad_mul, rank)
         return loss
+
+    # ------------------------------------------------------------------------------------------
+    # step plans (optim._plan): the general path leaves one; later steps over the same tensors use it
+    def _plan_kind(self, device: torch.device) -> tuple[str, Callable[..., None], Callable, Callable, Any] | None:
+        """``(kind, launch, place, grad_amax, amax_kinds_of)`` of the kernel that updates ``device``'s
+        tensors, or None on the eager path (no plan: it is the reference)."""
+        update = self._update_for(device)
+        if update is _pytorch_updates_:
+            return None
+        if device.type == "cpu":
+            from . import _cpu_kernel
+
+            amax = (_cpu_kernel.grad_amax_of, _cpu_kernel.amax_kinds) if _cpu_kernel.available() else (_grad_amax, None)
+        else:
+            amax = (_grad_amax, None)
+        if update is getattr(_fused_kernel(), "sradamw_fused_", None):
+            from . import triton_kernel
+
+            return ("triton", lambda table, launches, skip, gmul: triton_kernel.launch(table, launches, device, skip, gmul),
+                    lambda x: triton_kernel._flag_on(x, device), *amax)
+        from . import _cpu_kernel
+
+        return "cpu", _cpu_kernel.run, _cpu_kernel._cpu_float, *amax
+
+    def _leave_plan(self, specs: dict[torch.device, list[TensorStep]], todo: list[tuple[torch.Tensor, dict[str, Any]]],
+                    grad_mul: torch.Tensor | float | None, rank: int) -> None:
+        """After a general-path step: retires the plans that share its tensors (their counters moved),
+        and leaves one for these tensors when a kernel updates them all on one device."""
+        stepped = {id(p) for p, _ in todo}
+        self._plans = [plan for plan in self._plans if not any(id(p) in stepped for p in plan.params)]
+        if not self._use_plans or len(specs) != 1 or not todo:
+            return
+        (device, items), = specs.items()
+        kind = self._plan_kind(device)
+        if kind is None or not all(s.param.is_contiguous() and s.grad.is_contiguous() for s in items):
+            return
+        name, launch, place, grad_amax, kinds_of = kind
+        gmul_mode = call_arguments(grad_mul, None, place)[0]
+        plan = Plan(self, items, [g for _, g in todo], name, gmul_mode, rank, launch, place, grad_amax,
+                    kinds_of([s.grad for s in items]) if kinds_of is not None else None, self._version.value)
+        self._plans = [plan, *self._plans][:_MAX_PLANS]
+
+    def _plan_step(self, found_inf: Any, grad_mul: torch.Tensor | float | None) -> bool:
+        """One step on a plan when one fits (the same tensors with gradients as the step that left it,
+        nothing changed under it: :meth:`optim._plan.Plan.usable`); False leaves the step to the general
+        path. The order of work is the general path's: maxima, skip decision, counters, scales, update."""
+        flat = [p for group in self.param_groups for p in group["params"]]
+        grads = list(map(_GRAD, flat))
+        if any(map(operator.is_, grads, repeat(None))):
+            flat = [p for p, g in zip(flat, grads) if g is not None]
+            grads = [g for g in grads if g is not None]
+        plan = next((pl for pl in self._plans if len(pl.params) == len(flat) and all(map(operator.is_, flat, pl.params))),
+                    None)
+        if plan is None:
+            return False
+        gmul_mode, gmul_value, gmul_tensor, _ = call_arguments(grad_mul, None, plan.place)
+        addresses = None
+        if plan.version == self._version.value:
+            addresses = plan.usable(grads, self.param_groups, self._rank(), gmul_mode)
+        if addresses is None:
+            self._plans.remove(plan)
+            return False
+        scaled = plan.scaled_index is not None
+        maxima = {plan.device: plan.grad_maxima(grads, addresses)} if self.check_finite or scaled else {}
+        skip = self._skip_flag(found_inf, grad_mul, maxima)
+        if skip is True:
+            self._skipped_steps += 1
+            return True
+        device_skip = skip.to(plan.device) if isinstance(skip, torch.Tensor) else None
+        pending = _PendingSkip(skip) if device_skip is not None else None
+        plan.step(self.param_groups, addresses, grad_mul, gmul_value, gmul_tensor, device_skip,
+                  maxima.get(plan.device))
+        if pending is not None:
+            pending.counters = plan.steps
+            self._pending = pending
+        return True
 
     # ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -588,6 +778,7 @@ class SRAdamW(Optimizer):
         """
         self._settle()
         sd = super().state_dict()
+        sd["state"] = {k: dict(v) for k, v in sd["state"].items()}  # plain dicts (the containers track writes)
         sd["sr"] = {"seed": self.seed, "skipped_steps": self._skipped_steps}
         return sd
 
@@ -600,9 +791,12 @@ class SRAdamW(Optimizer):
         the saved run replace this optimizer's, so a resumed run continues bit-identically.
         """
         self._settle()
+        self._retire_plans()
         saved = copy.deepcopy(state_dict)
         sr = saved.pop("sr", None)
         super().load_state_dict(saved)
+        self.state = _States(self._version, self.state)
+        self._version.value += 1
         saved_ids = [pid for g in saved["param_groups"] for pid in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for i, (pid, p) in enumerate(zip(saved_ids, params)):
