@@ -1,6 +1,7 @@
 """CPU smoke tests of the end-to-end benchmarks (benchmarks/bench_train.py, bench_memory.py,
-sr_experiment.py): each runs with tiny settings and its numbers are checked against references
-(brute-force search, the live engine's own bookkeeping, a torch.optim.AdamW training loop)."""
+sr_experiment.py, bench_optim.py): each runs with tiny settings and its numbers are checked against
+references (brute-force search, the live engine's own bookkeeping, a torch.optim.AdamW training loop,
+the gradients the optimizer saw, the launches it made). No test asserts a speed."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_memory  # noqa: E402
+import bench_optim  # noqa: E402
 import bench_train  # noqa: E402
 import sr_experiment  # noqa: E402
 
@@ -181,6 +183,99 @@ def test_bench_train_cuda_tiny(tmp_path: Path) -> None:
     assert len({r["checksum"] for r in rows.values()}) == 1
     for r in rows.values():
         assert r["fits"] and r["samples_per_s"] > 0 and r["peak_bytes"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_optim: fresh gradients every step, host time with the launches recorded
+# ---------------------------------------------------------------------------------------------
+
+
+def _sr(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
+    from optim import SRAdamW
+
+    return SRAdamW(ps, lr=1e-3, state_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("grads", ["new", "copy"])
+@pytest.mark.parametrize("make", [_sr, lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True)], ids=["SRAdamW", "AdamW"])
+def test_bench_optim_steps_see_fresh_gradients(grads: str, make) -> None:
+    shapes = bench_optim.layout("uniform", 3, 96)
+    pool = bench_optim.GradPool(shapes, "cpu", sets=3)
+    runner = bench_optim.prepare("x", make, shapes, torch.bfloat16, "cpu", pool, warmup=1, grads=grads)
+    seen: list[list[torch.Tensor]] = []  # the gradient tensors each step ran on, as the optimizer saw them
+    runner.opt.register_step_pre_hook(lambda opt, args, kwargs: seen.append([p.grad for p in runner.params]))
+    values = []
+    for _ in range(4):
+        runner.timed_step()
+        values.append([g.clone() for g in seen[-1]])
+    for i, step_values in enumerate(values):  # the warm-up step took set 0: the timed steps take 1, 2, 0, 1
+        expected = pool.sets[(i + 1) % 3]
+        assert all(torch.equal(v, e.to(v.dtype)) for v, e in zip(step_values, expected)), i
+        if i:
+            assert not any(torch.equal(v, w) for v, w in zip(step_values, values[i - 1])), i
+    same_tensors = all(a is b for a, b in zip(seen[0], seen[1]))
+    assert same_tensors == (grads == "copy")  # "new": a new gradient tensor every step, as zero_grad(None)
+    row = bench_optim.result_row(runner)
+    assert row["steps"] == 4 and len(row["times_ms"]) == 4 and row["grads"] == grads
+    assert 0 < row["ms_min"] <= row["ms"] <= row["ms_max"] and row["GB/s"] > 0
+
+    # the trajectory differs from a constant-gradient run of the same optimizer
+    constant = bench_optim.prepare("x", make, shapes, torch.bfloat16, "cpu", bench_optim.GradPool(shapes, "cpu", sets=1),
+                                   warmup=1, grads=grads)
+    for _ in range(4):
+        constant.timed_step()
+    assert any(not torch.equal(p, q) for p, q in zip(runner.params, constant.params))
+
+
+def _host_route_or_skip(route: str) -> tuple:
+    try:
+        return bench_optim._host_module(route)
+    except Exception as e:  # no compiler, no Triton, or Triton imported compiled (a GPU machine)
+        pytest.skip(f"host route {route} cannot run here: {e}")
+
+
+@pytest.mark.parametrize("route", list(bench_optim.HOST_ROUTES))
+def test_bench_optim_host_mode_records_launches(route: str) -> None:
+    module, name = _host_route_or_skip(route)
+    real = getattr(module, name)
+    shapes = bench_optim.layout("uniform", 5, 300)
+    row = bench_optim.host_time(shapes, route, "bf16", steps=6, warmup=2, elements=64)
+    assert getattr(module, name) is real  # the launch point is restored
+    assert row["kind"] == "host" and row["route"] == route and row["tensors"] == 5 and row["params"] == 5 * 64
+    assert row["launches_per_step"] >= 1 and row["launches_per_step_2x"] >= 1 and row["steps"] == 6
+    assert 0 < row["host_us_min"] <= row["host_us"] <= row["host_us_max"] and row["host_us_2x"] > 0
+    assert math.isfinite(row["us_per_extra_tensor"])
+
+
+def test_bench_optim_host_mode_refuses_a_step_that_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    _host_route_or_skip("cpu")
+    monkeypatch.setattr(bench_optim, "SRAdamW", lambda ps, lr, **kw: torch.optim.SGD(ps, lr=lr))
+    with pytest.raises(RuntimeError, match="recorded no launch"):
+        bench_optim.host_time(bench_optim.layout("uniform", 2, 64), "cpu", steps=2, warmup=1)
+
+
+def test_bench_optim_cli_cpu(tmp_path: Path) -> None:
+    """Both modes through the command line: the JSON rows and the tables."""
+    cmd = [sys.executable, "-X", "faulthandler", str(ROOT / "benchmarks" / "bench_optim.py"), "--layout", "uniform",
+           "--iters", "3", "--warmup", "1"]
+    out = tmp_path / "steps.json"
+    proc = subprocess.run([*cmd, "--device", "cpu", "--tensors", "2", "--size", "256", "--only", "bf16", "--exclude",
+                           "PyTorch path", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {r["optimizer"] for r in rows} >= {"torch AdamW bf16 (RTN)", "SRAdamW bf16 w + bf16 SR states (CPU kernel)"}
+    for r in rows:
+        assert r["kind"] == "step" and r["layout"] == "uniform" and r["steps"] == 3 and r["ms"] > 0, r
+        assert f"| {r['optimizer']} | {r['ms']:.2f} |" in proc.stdout
+    out = tmp_path / "host.json"
+    proc = subprocess.run([*cmd, "--host", "--tensors", "3", "--size", "64", "--json", str(out)], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["route"] for r in rows] == list(bench_optim.HOST_ROUTES)
+    for r in rows:  # a route that cannot run on this machine is an error row, not a crash
+        assert r["kind"] == "host" and r["layout"] == "uniform"
+        assert "error" in r or (r["launches_per_step"] >= 1 and r["host_us"] > 0), r
 
 
 # ---------------------------------------------------------------------------------------------
