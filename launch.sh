@@ -15,8 +15,8 @@
 # Every other argument goes to `python -m recipe.train` (`bash launch.sh --help` lists them). Relative paths
 # are taken from the directory you run this from. Without --train-data (or --config / --resume) the
 # demo's settings are the defaults and your arguments override them.
-# Environment: NUM_GPUS, DS_CONFIG (default ds_configs/zero2_bf16_halfmaster.json; zero0_bf16_sr.json on one
-# rank), OUTPUT_DIR, DATA_DIR (demo data), HOSTFILE, MASTER_ADDR, MASTER_PORT.
+# Environment: NUM_GPUS, DS_CONFIG (default ds_configs/zero0_bf16_sr.json), OUTPUT_DIR, DATA_DIR (demo data),
+# HOSTFILE, MASTER_ADDR, MASTER_PORT.
 # Signals, to this script or to its whole process group / job (timeout, SLURM, Kubernetes): SIGTERM and
 # SIGUSR1 (SLURM's --signal=USR1@SECONDS) make every rank save a checkpoint at the next step boundary
 # and exit; this script returns once every rank has ended, with 143 when the checkpoint was saved (3
@@ -54,10 +54,11 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 
-# the default DeepSpeed JSON: ZeRO-2; on one rank bf16 at ZeRO-0 (nothing to shard: ZeRO's partition
-# copy and per-step work only cost memory and time; `python -m recipe.plan --gpus 1` prefers it too)
-DEFAULT_DS=$REPO/ds_configs/zero2_bf16_halfmaster.json
-if [[ -z ${HOSTFILE:-} && $NUM_GPUS == 1 ]]; then DEFAULT_DS=$REPO/ds_configs/zero0_bf16_sr.json; fi
+# the default DeepSpeed JSON, on any number of ranks: bf16 at ZeRO-0, replicated weights and one bf16 gradient
+# all-reduce per step (ZeRO-1/2's per-step machinery cost ~1.3x its step time at one rank and move 1.5x the
+# bytes over several; README, "Which route for several GPUs"; `python -m recipe.plan` prefers it too and
+# falls back to ZeRO-1/2/3 when the replicated optimizer state does not fit)
+DEFAULT_DS=$REPO/ds_configs/zero0_bf16_sr.json
 
 args=()
 if [[ $module == recipe.verify ]]; then

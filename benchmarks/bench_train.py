@@ -55,6 +55,18 @@ hooks, reduction, overflow check, norm, clipping, weight copies, the optimizer, 
 work) by wrapping timers around the callables that run them, the first recipe arm and the baseline
 alternating step by step in this one process, so that both see the same load; it reports medians.
 
+``--routes JSON [JSON ...]`` instead compares precision / ZeRO routes: the recipe's own train step under
+each DeepSpeed JSON (a path or a name in ``ds_configs/``), the routes alternating step by step in one
+process, each route's median step and its ratio to the first route's (``train_bench/routes.py``); with
+``--breakdown``, per-phase times of each route (hooks, bucket flattening, collectives, norm, clipping,
+the optimizer, DeepSpeed's weight copies...). Under a launcher it runs on every rank::
+
+    python benchmarks/bench_train.py --device cpu --routes zero0_bf16_sr zero2_bf16_halfmaster --steps 30
+    python benchmarks/bench_train.py --device cpu --routes zero0_bf16_sr zero1_bf16_halfmaster \
+        zero2_bf16_halfmaster --breakdown --steps 20
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 benchmarks/bench_train.py --device cpu \
+        --routes zero0_bf16_sr zero2_bf16_halfmaster --breakdown   # 2 ranks
+
 Output: a markdown table (device, versions, date) on stdout and a JSON file
 (``benchmarks/results/bench_train_<device>.json`` by default).
 """
@@ -79,6 +91,7 @@ from train_bench.breakdown import BREAKDOWN_ROWS, run_breakdown  # noqa: E402, F
 from train_bench.openclip_arm import OPENCLIP_TINY, OpenClipRunner  # noqa: E402, F401
 from train_bench.recipe_arm import RecipeRunner  # noqa: E402
 from train_bench.report import breakdown_table, markdown_table  # noqa: E402
+from train_bench.routes import ROUTE_PHASES, routes_table, run_routes  # noqa: E402, F401
 from train_bench.settings import (  # noqa: E402, F401
     DEFAULT_DS_CONFIG,
     BenchSettings,
@@ -155,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: per-phase time of one step, the first recipe arm and the baseline alternating in one "
         "process (--steps rounds; first --ckpt setting and --accumulation; writes bench_train_breakdown_<device>.json)",
     )
+    ap.add_argument(
+        "--routes", nargs="+", default=None, metavar="JSON",
+        help="instead: the recipe's train step under each DeepSpeed JSON (path or ds_configs/ name), alternating "
+        "step by step in one process; each route's median step and its ratio to the first's (--steps rounds; "
+        "with --breakdown per-phase times; first --ckpt setting, loss mode and --accumulation; writes "
+        "bench_train_routes_<device>.json)",
+    )
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return ap
 
@@ -193,6 +213,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         print(m, file=sys.stderr, flush=True)
 
     try:
+        if args.routes:
+            result = run_routes(s, args.routes, phases=args.breakdown, log=log)
+            if result["rank"] == 0:
+                write_result(args.json or RESULTS / f"bench_train_routes_{kind}.json", result, routes_table(result))
+            return result
         if args.breakdown:
             result = run_breakdown(s, log=log)
             write_result(args.json or RESULTS / f"bench_train_breakdown_{kind}.json", result, breakdown_table(result))

@@ -260,7 +260,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     deepspeed_config: str = option(
-        "ds_configs/zero2_bf16_halfmaster.json", "DeepSpeed JSON: batch size, accumulation, precision, clipping, ZeRO"
+        "ds_configs/zero0_bf16_sr.json", "DeepSpeed JSON: batch size, accumulation, precision, clipping, ZeRO"
     )
     loss: str = option("clip", "contrastive loss: clip (softmax, InfoNCE) or siglip (sigmoid, with a learnable bias)")
     loss_mode: str = option("plain", "contrastive loss implementation: plain, chunked or fused (Triton)")

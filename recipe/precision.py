@@ -20,10 +20,16 @@ Three modes:
   ``ds_configs/zero0_bf16_sr.json``): the same recipe-managed path as fp16 without loss scaling.
   DeepSpeed's bf16 at stage 0 wraps the client optimizer in an fp32-master ``BF16_Optimizer``, so
   the recipe takes the ``bf16`` section and ``gradient_clipping`` out of the config, casts the model to
-  bf16, averages the gradients itself (in fp32: one rounding per gradient element whatever the
-  world size) and clips by the multiplier; SRAdamW updates the module's own tensors. Replicated
-  weights (DDP-style): for one GPU, or models whose states fit on every rank, it skips ZeRO's
-  flattening, bucketing and partition copies.
+  bf16, averages the gradients itself and clips by the multiplier; SRAdamW updates the module's own
+  tensors. Replicated weights (DDP-style): it skips ZeRO's per-gradient hooks, flattening,
+  bucketing, per-group norms and partition copies, and communicates once per optimizer step (one
+  gradient all-reduce, no weight all-gather). The recipe's default for any number of GPUs.
+* **The recipe's gradient all-reduce** (both routes above) sums in the JSON's top-level
+  ``communication_data_type`` (DeepSpeed's key, taken over like ``gradient_clipping``): ``"bf16"``
+  (``zero0_bf16_sr.json``: half the bytes of fp32; the sum is rounded to bf16 along the way, as in
+  DeepSpeed's ZeRO-1/2 bf16 reduction), ``"fp32"`` (one rounding per element whatever the world
+  size; twice the bytes) or ``"fp16"`` (the fp16 route). Without the key: fp32 for bf16 gradients,
+  fp16 for the fp16 route.
 * **fp32**: no precision section; everything fp32 (the reference).
 """
 
@@ -113,6 +119,7 @@ class Precision:
     half_master_partitions: bool  # ZeRO hands SRAdamW half-precision partitions
     loss_scaler: DynamicLossScaler | None = None  # fp16 route only
     recipe_clip: float = 0.0  # gradient clipping done by the recipe (recipe-managed routes only)
+    reduce_dtype: torch.dtype | None = None  # recipe-managed routes: the gradient all-reduce's dtype (None: default)
 
     @property
     def label(self) -> str:
@@ -149,9 +156,10 @@ def resolve_precision(ds_config: dict[str, Any]) -> tuple[Precision, dict[str, A
         state_dtype = torch.bfloat16 if half_states else torch.float32
         if half_master and stage == 0:  # the recipe-managed bf16 route (module docstring)
             clip = _take_over_clipping(cfg)
+            reduce = _take_over_reduce_dtype(cfg, torch.bfloat16)
             cfg.pop("bf16", None)
             cfg.pop("bfloat16", None)
-            return Precision("bf16", 0, torch.bfloat16, state_dtype, True, None, clip), cfg
+            return Precision("bf16", 0, torch.bfloat16, state_dtype, True, None, clip, reduce), cfg
         return Precision("bf16", stage, torch.bfloat16, state_dtype, half_master), cfg
     if fp16.get("enabled"):
         if stage != 0:
@@ -160,9 +168,10 @@ def resolve_precision(ds_config: dict[str, Any]) -> tuple[Precision, dict[str, A
                 "unless its CPU Adam is used (see README, 'Precision modes')"
             )
         clip = _take_over_clipping(cfg)
+        reduce = _take_over_reduce_dtype(cfg, torch.float16)
         scaler = DynamicLossScaler.from_section(fp16)
         cfg.pop("fp16")
-        prec = Precision("fp16", 0, torch.float16, torch.float16, True, scaler, clip)
+        prec = Precision("fp16", 0, torch.float16, torch.float16, True, scaler, clip, reduce)
         return prec, cfg
     return Precision("fp32", stage, torch.float32, torch.float32, False), cfg
 
@@ -176,6 +185,24 @@ def _take_over_clipping(cfg: dict[str, Any]) -> float:
         raise ConfigError(f"gradient_clipping must be a finite number >= 0, got {clip}")
     cfg["gradient_clipping"] = 0.0
     return clip
+
+
+_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _take_over_reduce_dtype(cfg: dict[str, Any], grad_dtype: torch.dtype) -> torch.dtype | None:
+    """``communication_data_type`` taken over from the config handed to DeepSpeed (the recipe all-reduces
+    the gradients, :func:`allreduce_gradients`): fp32 or the gradients' own dtype; None when absent."""
+    value = cfg.pop("communication_data_type", None)
+    if value is None:
+        return None
+    dtype = _REDUCE_DTYPES.get(str(value).lower())
+    allowed = [k for k, v in _REDUCE_DTYPES.items() if v in (torch.float32, grad_dtype)]
+    if dtype not in (torch.float32, grad_dtype):
+        route = "bf16" if grad_dtype == torch.bfloat16 else "fp16"
+        raise ConfigError(f"communication_data_type {value!r}: the {route} route all-reduces its gradients in "
+                          f"{' or '.join(allowed)}")
+    return dtype
 
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -254,12 +281,17 @@ def _check_zero_and_clipping(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"gradient_clipping must be a finite number >= 0, got {clip!r}")
 
 
-def allreduce_gradients(params: list[torch.Tensor], bucket_bytes: int = 1 << 26) -> None:
-    """Averages the gradients of ``params`` over the data-parallel ranks, in flat per-dtype buckets.
+def allreduce_gradients(params: list[torch.Tensor], bucket_bytes: int = 1 << 26,
+                        reduce_dtype: torch.dtype | None = None) -> None:
+    """Averages the gradients of ``params`` over the data-parallel ranks, in flat per-dtype buckets,
+    summed in ``reduce_dtype`` (:attr:`Precision.reduce_dtype`, the JSON's ``communication_data_type``).
 
-    fp16 gradients are summed in fp16: overflow of the summed scaled gradients shows up as inf and
-    makes the step skip (the loss scaler's signal). bf16 gradients are summed in fp32 and rounded once
-    (a bf16 sum over W ranks would round up to W - 1 times).
+    By default fp16 gradients are summed in fp16: overflow of the summed scaled gradients shows up as
+    inf and makes the step skip (the loss scaler's signal); bf16 gradients are summed in fp32 and
+    rounded once. Summed in bf16 (``reduce_dtype=torch.bfloat16``) the all-reduce moves half the bytes
+    and the sum is rounded to bf16 along the way (up to W - 1 times over W ranks, as DeepSpeed's ZeRO-1/2
+    bf16 reduction does); the mean is then the sum divided by W in bf16 (exact for a power-of-two W).
+    The result is the same on every rank (the collective's own guarantee), which keeps the replicas equal.
     """
     import torch.distributed as dist
 
@@ -279,8 +311,9 @@ def allreduce_gradients(params: list[torch.Tensor], bucket_bytes: int = 1 << 26)
                 size += g.numel() * g.element_size()
             if bucket and (g is None or size >= bucket_bytes):
                 flat = torch.cat([b.reshape(-1) for b in bucket])
-                if flat.dtype == torch.bfloat16:
-                    flat = flat.float()
+                dtype = reduce_dtype or (torch.float32 if flat.dtype == torch.bfloat16 else flat.dtype)
+                if flat.dtype != dtype:
+                    flat = flat.to(dtype)
                 dist.all_reduce(flat)
                 flat.div_(world)
                 offset = 0

@@ -165,7 +165,7 @@ def train_step(
     grad_norm = None
     if prec.recipe_managed:
         params = list(engine.module.parameters())  # one walk of the module tree for both
-        allreduce_gradients(params)
+        allreduce_gradients(params, reduce_dtype=prec.reduce_dtype)
         if prec.loss_scaler is not None or prec.recipe_clip > 0:
             kwargs["inv_grad_scale"], grad_norm = grad_multiplier(params, prec)
     ours = isinstance(opt, SRAdamW)

@@ -94,18 +94,24 @@ def test_demo_defaults_are_overridden_by_arguments_relative_to_the_caller(work: 
     assert shm_files() <= before
 
 
-def test_one_rank_defaults_to_bf16_at_zero0(work: Path) -> None:
-    """NUM_GPUS=1 without DS_CONFIG: the planner's one-GPU choice, bf16 at ZeRO-0, trains and evaluates."""
-    e = env(work, NUM_GPUS="1")
+@pytest.mark.parametrize("ranks", ["1", "2"])
+def test_default_is_bf16_at_zero0_on_any_number_of_ranks(work: Path, ranks: str) -> None:
+    """Without DS_CONFIG, on one rank or several: the planner's choice, bf16 at ZeRO-0 (replicated, one bf16
+    gradient all-reduce per step), trains and evaluates."""
+    e = env(work, NUM_GPUS=ranks)
     e.pop("DS_CONFIG")
-    res = subprocess.run(["bash", str(LAUNCH), *SMALL, "--output-dir", "runs/one"], cwd=work, env=e,
+    if ranks != "1":  # the shipped JSON's micro-batch 64 on every rank: more samples than the fixture's 64
+        if not (work / "data-large" / "train.csv").is_file():
+            write_dataset(str(work / "data-large"), 160, n_val=24, image_size=32, seed=0)
+        e["DATA_DIR"] = str(work / "data-large")
+    res = subprocess.run(["bash", str(LAUNCH), *SMALL, "--output-dir", f"runs/default{ranks}"], cwd=work, env=e,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    cfg = json.loads((work / "runs" / "one" / "config.json").read_text())
+    cfg = json.loads((work / "runs" / f"default{ranks}" / "config.json").read_text())
     assert cfg["deepspeed_config"] == str(ROOT / "ds_configs" / "zero0_bf16_sr.json")
-    assert "(bf16/zero0, 1 ranks, " in res.stdout, res.stdout[-2000:]  # the closing summary
-    assert "bf16/zero0, 1 ranks x micro-batch 64" in res.stdout + res.stderr  # the opening line
-    assert json.loads((work / "runs" / "one" / "final_metrics.json").read_text())["steps"] == 4
+    assert f"(bf16/zero0, {ranks} ranks, " in res.stdout, res.stdout[-2000:]  # the closing summary
+    assert f"bf16/zero0, {ranks} ranks x micro-batch 64" in res.stdout + res.stderr  # the opening line
+    assert json.loads((work / "runs" / f"default{ranks}" / "final_metrics.json").read_text())["steps"] == 4
 
 
 def test_resume_uses_the_runs_config_and_never_replays_rows(work: Path) -> None:

@@ -47,13 +47,14 @@ __all__ = [
 
 REPO = Path(__file__).resolve().parents[2]
 #: Preference between equally good candidates: the recipe's default first, the fp32 reference last.
-_CONFIG_ORDER = ("zero2_bf16_halfmaster", "zero1_bf16_halfmaster", "zero3_bf16_halfmaster", "zero0_bf16_sr",
+#: bf16 at ZeRO-0 leads on any number of GPUs: ZeRO-1/2's per-step machinery (per-gradient hooks, bucket
+#: copies, per-gradient norms, the clip pass, the partition copy and weight all-gather) cost 1.07-1.3x
+#: its step time at one rank (CPU, benchmarks/RESULTS.md; 1.29x measured on an H200), and its one bf16
+#: gradient all-reduce per step moves 2/3 of ZeRO-1/2's bytes (README, "Which route for several GPUs").
+#: ZeRO-1/2/3 come next: they win where the replicated optimizer state does not fit (fewer accumulation
+#: steps or no checkpointing first, see :func:`plan`).
+_CONFIG_ORDER = ("zero0_bf16_sr", "zero2_bf16_halfmaster", "zero1_bf16_halfmaster", "zero3_bf16_halfmaster",
                  "zero0_fp16_sr_lossscale", "zero2_fp32")
-#: On one GPU bf16 at ZeRO-0 comes first: nothing to shard, so ZeRO's partition copy of the weights and
-#: its per-step machinery (gradient buckets, its norm and clip, the weight copy) only cost memory and
-#: time (ViT-B-32: 11.48 against 13.48 bytes per parameter; CPU train step 1.01x OpenCLIP's samples/s
-#: against 0.80x for ZeRO-2, benchmarks/RESULTS.md).
-_ONE_GPU_FIRST = "zero0_bf16_sr"
 
 
 class PlanError(ValueError):
@@ -87,13 +88,10 @@ def format_bytes(n: float) -> str:
 
 
 def ds_configs(gpus: int | None = None) -> list[Path]:
-    """The DeepSpeed JSONs the planner chooses from (``ds_configs/*.json``), preferred first (for
-    ``gpus == 1``: bf16 at ZeRO-0 first)."""
+    """The DeepSpeed JSONs the planner chooses from (``ds_configs/*.json``), preferred first (the same
+    order for any number of GPUs; ``gpus`` is accepted for callers that pass it)."""
     found = sorted((REPO / "ds_configs").glob("*.json"))
-    order = _CONFIG_ORDER
-    if gpus == 1:
-        order = (_ONE_GPU_FIRST, *(name for name in _CONFIG_ORDER if name != _ONE_GPU_FIRST))
-    rank = {name: i for i, name in enumerate(order)}
+    rank = {name: i for i, name in enumerate(_CONFIG_ORDER)}
     return sorted(found, key=lambda p: (rank.get(p.stem, len(rank)), p.stem))
 
 
@@ -353,8 +351,8 @@ def plan(
     Candidates: every ``ds_configs/*.json`` (or only ``ds_config``), gradient checkpointing off and
     on (or as given), every micro-batch dividing ``global_batch / gpus`` (accumulation = the
     quotient). Among those that fit: no checkpointing first, then the fewest accumulation steps, then
-    the preferred JSON (the recipe's default ``zero2_bf16_halfmaster`` first; on one GPU
-    ``zero0_bf16_sr``), then the least memory.
+    the preferred JSON (the recipe's default ``zero0_bf16_sr`` first, then ZeRO-2, 1, 3), then the
+    least memory.
 
     Raises:
         PlanError: Bad input, or nothing fits (the message names the term that is too big).

@@ -1,14 +1,19 @@
-"""All-gather and reduce-scatter: correct contents, and bandwidth in NCCL-tests' conventions.
+"""All-gather, reduce-scatter and all-reduce: correct contents, and bandwidth in NCCL-tests' conventions.
+
+The all-reduce is the default route's one collective per step (bf16 at ZeRO-0 averages the gradients
+with it); ZeRO-1/2/3 gather weights and reduce-scatter gradients.
 
 For each size (bytes *per rank*: what one rank sends to an all-gather, receives from a
-reduce-scatter) every rank fills its buffer with a pattern of small integers known to every rank,
+reduce-scatter, holds in an all-reduce) every rank fills its buffer with a pattern of small integers
+known to every rank,
 runs one warm-up and ``iters`` timed collectives, and checks the result exactly (integers below 2**24
-survive fp32 sums over up to 4096 ranks exactly): the gathered rows of every rank, or the element-wise
-sum over ranks of its own shard. Timing is the slowest rank's (all-reduce MAX of the mean time).
+survive fp32 sums over up to 4096 ranks exactly): the gathered rows of every rank, the element-wise
+sum over ranks of its own shard, or the element-wise sum over ranks of the whole buffer. Timing is the slowest rank's (all-reduce MAX of the mean time).
 
 Bandwidth as nccl-tests reports it (``doc/PERFORMANCE.md`` there): with ``S`` the total bytes of the
 collective (``N x`` per-rank bytes: the gathered output, the scattered input) and ``t`` the time,
-``algbw = S / t`` and ``busbw = algbw x (N - 1) / N`` for both collectives; busbw is comparable
+``algbw = S / t`` and ``busbw = algbw x (N - 1) / N`` for both; for the all-reduce ``S`` is the
+buffer's bytes and ``busbw = algbw x 2 (N - 1) / N`` (a ring moves each byte twice); busbw is comparable
 with the link's bandwidth whatever N. At one rank nothing moves: busbw 0, no bandwidth warning.
 
 Verdict: an error, a timeout (``--timeout`` per collective) or a wrong result fails; a busbw at the
@@ -45,6 +50,9 @@ def pattern(rank: int, numel: int, device: torch.device, offset: int = 0) -> tor
 def _run(op: str, out: torch.Tensor, inp: torch.Tensor, timeout: datetime.timedelta) -> None:
     if op == "all_gather":
         work = dist.all_gather_into_tensor(out, inp, async_op=True)
+    elif op == "all_reduce":
+        out.copy_(inp)
+        work = dist.all_reduce(out, op=dist.ReduceOp.SUM, async_op=True)
     else:
         work = dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, async_op=True)
     work.wait(timeout=timeout)  # raises on an error or when the timeout passes
@@ -57,6 +65,10 @@ def _one(op: str, numel: int, run: Run, iters: int, timeout: datetime.timedelta)
         inp = pattern(rank, numel, dev)
         out = torch.empty(world * numel, dtype=torch.float32, device=dev)
         expected = torch.cat([pattern(r, numel, dev) for r in range(world)])
+    elif op == "all_reduce":
+        inp = pattern(rank, numel, dev)
+        out = torch.empty(numel, dtype=torch.float32, device=dev)
+        expected = sum(pattern(r, numel, dev) for r in range(world))
     else:
         inp = pattern(rank, world * numel, dev)
         out = torch.empty(numel, dtype=torch.float32, device=dev)
@@ -82,16 +94,16 @@ def check_comm(run: Run, sizes_mib: tuple[float, ...], iters: int, timeout_s: fl
     timeout = datetime.timedelta(seconds=timeout_s)
     world = run.world
     rows = []
-    for op in ("all_gather", "reduce_scatter"):
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):
         parts, wrong_by_rank, status, values = [], [0.0] * world, "pass", {}
         for mib in sizes_mib:
             numel = max(1, int(mib * 2**20) // 4)
             seconds, wrong = _one(op, numel, run, iters, timeout)
             slowest = max_over_ranks([seconds], run.device)[0]
             wrong_by_rank = [a + b for a, b in zip(wrong_by_rank, per_rank(float(wrong), run.device))]
-            total = world * numel * 4
+            total = numel * 4 if op == "all_reduce" else world * numel * 4
             algbw = total / slowest / 1e9
-            busbw = algbw * (world - 1) / world
+            busbw = algbw * (2 if op == "all_reduce" else 1) * (world - 1) / world
             values[f"{mib:g}MiB"] = {"bytes_per_rank": numel * 4, "seconds": slowest, "algbw_GBps": algbw,
                                      "busbw_GBps": busbw}
             parts.append(f"{mib:g}M {algbw:.2f}/{busbw:.2f}")

@@ -60,7 +60,7 @@ class VerifyConfig:
     context_length: int | None = option(None, "token context length (default: the text tower's)", ge=1)
     image_master_weights: bool = option(True, "the image tower keeps an fp32 master (as recipe.train)")
     text_master_weights: bool = option(False, "the text tower keeps an fp32 master (as recipe.train)")
-    ds_config: str = option("ds_configs/zero2_bf16_halfmaster.json",
+    ds_config: str = option("ds_configs/zero0_bf16_sr.json",
                             "the run's DeepSpeed JSON: precision route, ZeRO stage, batch sizes")
     micro_batch: int | None = option(None, "pairs per GPU per forward (default: the JSON's)", ge=1)
     global_batch: int | None = option(

@@ -357,6 +357,29 @@ def test_zero0_fp16_two_to_one_to_two_ranks(data: Path, tmp_path: Path) -> None:
     assert max(diffs.values()) <= ZERO0_LOSS_RTOL, diffs
 
 
+def test_zero0_bf16_two_to_one_to_two_ranks(data: Path, tmp_path: Path) -> None:
+    """The recipe's default route (``zero0_bf16_sr.json``: bf16 SR weights, replicated, one bf16 gradient
+    all-reduce per step): the replicas are identical, and after 2 -> 1 and 1 -> 2 ranks SRAdamW's state
+    dict (bf16 statistics, the image tower's exact master as bf16 weight + int16 low half, per-tensor steps
+    and noise indices, seed, skipped steps) and the module are bit for bit the saved ones on every rank."""
+    a, b, c = _chain("zero0_bf16_sr.json", data, tmp_path)
+
+    assert not _bit_differences(a[0]["saved"][3], a[1]["saved"][3])  # the bf16 all-reduce keeps the replicas equal
+    saved = a[0]["saved"][3]
+    state = saved["optimizer"]["state"]
+    kinds = {k for st in state.values() for k in st}
+    assert {"exp_avg", "exp_avg_sq", "step", "index"} <= kinds and kinds & {"master", "master_low"}, kinds
+    assert any(t.dtype == torch.bfloat16 for st in state.values() for t in st.values() if torch.is_tensor(t) and t.dim())
+    assert saved["loss_scaler"] is None
+    assert not _bit_differences(saved, b[0]["restored"])
+    assert not _bit_differences(b[0]["saved"][6], c[0]["restored"]) and not _bit_differences(b[0]["saved"][6], c[1]["restored"])
+
+    _assert_each_sample_once(a, b, c)
+    diffs = _loss_diffs(tmp_path, "zero0 bf16")
+    assert diffs[4] <= ZERO0_FIRST_STEP_RTOL and diffs[7] <= ZERO0_LOSS_RTOL, diffs
+    assert max(diffs.values()) <= ZERO0_LOSS_RTOL, diffs
+
+
 # --------------------------------------------------------------------------------------------------
 # unsupported combinations: a clear error before anything is loaded
 # --------------------------------------------------------------------------------------------------

@@ -106,3 +106,73 @@ def test_deepspeed_does_not_clip_the_recipe_managed_gradients(name: str) -> None
     assert out["norm"] > 10  # clipping is active
     for got, want in zip(out["got"], out["want"]):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+# --------------------------------------------------------------------------------------------------
+# the recipe's gradient all-reduce (recipe-managed routes): communication_data_type
+# --------------------------------------------------------------------------------------------------
+
+
+def test_communication_data_type_is_taken_over_as_the_all_reduce_dtype() -> None:
+    """The JSON's ``communication_data_type`` picks the recipe's all-reduce dtype (bf16 in the shipped
+    ``zero0_bf16_sr.json``) and is not handed to DeepSpeed; absent, the old default (None); anything
+    but fp32 or the gradients' own dtype is an error."""
+    import json
+    from pathlib import Path
+
+    from recipe.precision import ConfigError, resolve_precision
+
+    root = Path(__file__).resolve().parents[2] / "ds_configs"
+    shipped = json.loads((root / "zero0_bf16_sr.json").read_text())
+    prec, cfg = resolve_precision(shipped)
+    assert prec.reduce_dtype == torch.bfloat16 and "communication_data_type" not in cfg
+    assert resolve_precision({**shipped, "communication_data_type": "FP32"})[0].reduce_dtype == torch.float32
+    assert resolve_precision({k: v for k, v in shipped.items() if k != "communication_data_type"})[0].reduce_dtype is None
+    fp16 = json.loads((root / "zero0_fp16_sr_lossscale.json").read_text())
+    assert resolve_precision(fp16)[0].reduce_dtype is None
+    assert resolve_precision({**fp16, "communication_data_type": "fp32"})[0].reduce_dtype == torch.float32
+    for cfg, value in ((shipped, "fp16"), (fp16, "bf16"), (shipped, "int8")):
+        with pytest.raises(ConfigError, match=f"communication_data_type '{value}'"):
+            resolve_precision({**cfg, "communication_data_type": value})
+    # ZeRO-1/2/3 JSONs keep the key for DeepSpeed
+    z2 = json.loads((root / "zero2_bf16_halfmaster.json").read_text())
+    assert resolve_precision({**z2, "communication_data_type": "fp32"})[1]["communication_data_type"] == "fp32"
+
+
+def _allreduce_worker(rank: int, world: int) -> dict:
+    from recipe.precision import allreduce_gradients
+
+    out = {}
+    for name, dtype in (("default", None), ("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        torch.manual_seed(rank)
+        params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (1000, 7, 3000)]
+        for p in params:
+            p.grad = torch.randn(p.shape, dtype=torch.float64).to(torch.bfloat16)
+        out[f"{name}_in"] = [p.grad.clone() for p in params]
+        allreduce_gradients(params, bucket_bytes=4000, reduce_dtype=dtype)  # several buckets
+        out[name] = [p.grad.clone() for p in params]
+    return out
+
+
+def test_gradient_all_reduce_in_bf16_and_fp32() -> None:
+    """3 ranks: fp32 (the default without the key) rounds the mean once; bf16 differs from it by at most
+    W - 1 bf16 roundings of the running sum; either is the same on every rank (the replicas stay equal).
+    2 ranks: bf16 and fp32 agree bit for bit."""
+    from ..dist_utils import run_distributed
+
+    res = run_distributed(_allreduce_worker, 3)
+    inputs = [torch.cat([g.double() for g in r["fp32_in"]]) for r in res]
+    mean = sum(inputs) / 3
+    for kind in ("default", "fp32", "bf16"):
+        got = [torch.cat(r[kind]) for r in res]
+        assert all(g.dtype == torch.bfloat16 for g in got)
+        assert all(torch.equal(got[0].view(torch.int16), g.view(torch.int16)) for g in got[1:]), kind
+    assert torch.equal(torch.cat(res[0]["default"]), torch.cat(res[0]["fp32"]))
+    assert torch.equal(torch.cat(res[0]["fp32"]), mean.to(torch.bfloat16))  # one rounding
+    bf = torch.cat(res[0]["bf16"]).double()
+    bound = sum(x.abs() for x in inputs) / 3 * (3 * 2.0**-8)  # 2 sum roundings + the division, relative 2^-8 each
+    assert bool(((bf - mean).abs() <= bound).all())
+    assert not torch.equal(bf, torch.cat(res[0]["fp32"]).double())  # three ranks: the sum was rounded in bf16
+    # two ranks: round(a + b) / 2 is round((a + b) / 2), so bf16 gives the fp32 route's bits
+    two = run_distributed(_allreduce_worker, 2)
+    assert all(torch.equal(torch.cat(r["bf16"]).view(torch.int16), torch.cat(r["fp32"]).view(torch.int16)) for r in two)

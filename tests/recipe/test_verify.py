@@ -42,7 +42,7 @@ def test_launch_verify_passes_on_a_healthy_cpu_launch(tmp_path: Path) -> None:
     assert res.returncode == 0, out[-4000:]
     assert "recipe.verify: 2 rank(s) (gloo, cpu), tiny (D=64)" in res.stdout, out[-4000:]
     rows = _rows(res.stdout)
-    expected = {"memory peak vs free", "comm all-gather", "comm reduce-scatter", "loss clip plain fp32",
+    expected = {"memory peak vs free", "comm all-gather", "comm reduce-scatter", "comm all-reduce", "loss clip plain fp32",
                 "loss clip plain bf16", "loss clip chunked fp32", "loss clip chunked bf16",
                 "optimizer text bf16 SR, bf16 states", "optimizer image bf16 + split master",
                 "optimizer logit scale bf16 + master, clamp"}
@@ -54,8 +54,8 @@ def test_launch_verify_passes_on_a_healthy_cpu_launch(tmp_path: Path) -> None:
 
 
 def _broken_worker(rank: int, world: int) -> tuple[int, str]:
-    """One rank of a preflight in which rank 1's chunked loss, default optimizer path and reduce-scatter
-    are each slightly wrong, and the memory given is far too small."""
+    """One rank of a preflight in which rank 1's chunked loss, default optimizer path, reduce-scatter and
+    all-reduce are each slightly wrong, and the memory given is far too small."""
     if rank == 1:
         from optim import _cpu_kernel
         from recipe.loss import clip
@@ -77,7 +77,7 @@ def _broken_worker(rank: int, world: int) -> tuple[int, str]:
 
         def wrong_sum(op, out, inp, timeout):
             run_op(op, out, inp, timeout)
-            if op == "reduce_scatter":
+            if op in ("reduce_scatter", "all_reduce"):
                 out[3] += 1.0
 
         check_comm._run = wrong_sum
@@ -96,7 +96,7 @@ def test_a_check_broken_on_one_rank_fails_every_rank() -> None:
     assert out1 == "", out1  # rank 0 prints the one screen
     rows = _rows(out0)
     assert rows["memory peak vs free"] == "FAIL" and "does not fit" in out0, out0
-    assert rows["comm reduce-scatter"] == "FAIL" and rows["comm all-gather"] == "PASS", out0
+    assert rows["comm reduce-scatter"] == rows["comm all-reduce"] == "FAIL" and rows["comm all-gather"] == "PASS", out0
     assert rows["loss clip chunked fp32"] == rows["loss clip chunked bf16"] == "FAIL", out0
     assert rows["loss clip plain fp32"] == rows["loss clip plain bf16"] == "PASS", out0
     assert rows["optimizer text bf16 SR, bf16 states"] == rows["optimizer image bf16 + split master"] == "FAIL", out0
