@@ -231,6 +231,8 @@ def measure_engine(
     from optim.functional import cached_tensors
 
     other += sum(claim(t, "other") for t in cached_tensors())  # SRAdamW's hyperparameter vectors (bytes)
+    if hasattr(optimizer, "plan_tensors"):  # SRAdamW's step plans: metadata tables, packed counters, key words
+        other += sum(claim(t, "other") for t in optimizer.plan_tensors())
     for _, t in _walk(vars(engine), "engine", {id(module), id(optimizer), id(zero)}):
         other += claim(t, "other")
     census = tensor_census(describe=True)

@@ -6,6 +6,20 @@ Usage::
     python benchmarks/kernel_report.py --json           # the same rows as JSON
     python benchmarks/kernel_report.py --optimizer-only # or --loss-only
     python benchmarks/kernel_report.py --loss-dims 512 --loss-dtypes bf16
+    python benchmarks/kernel_report.py --python /tmp/venv-triton36/bin/python --optimizer-only
+                                                        # the same report under another Triton
+    python benchmarks/kernel_report.py --optimizer-only --max-regs 64  # exit 1 over the budget
+
+**Another Triton** (``--python PY`` or ``KERNEL_REPORT_PYTHON=PY``): the report is made by this
+script run under the interpreter PY, whose own Triton (and its ptxas) compiles. PY needs no torch of
+its own: this interpreter's site-packages are appended to PY's ``sys.path`` (after PY's own, so PY's
+Triton wins), which works when both are the same Python minor version. E.g. the GPU machine's Triton
+3.6 beside a newer local one::
+
+    python3 -m venv /tmp/venv-triton36 && /tmp/venv-triton36/bin/pip install triton==3.6.0
+    python benchmarks/kernel_report.py --python /tmp/venv-triton36/bin/python --optimizer-only
+
+The markdown output starts with the Triton and ptxas versions; JSON rows carry ``triton``.
 
 How the runtime specialisation is obtained (nothing is re-typed where the host code can say it):
 
@@ -46,6 +60,11 @@ os.environ["TRITON_INTERPRET"] = "0"  # compile (the project's policy would pick
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# run under --python: the calling interpreter's site-packages, after this interpreter's own (see the docstring)
+_BORROW_ENV = "KERNEL_REPORT_BORROW"
+for _p in filter(None, os.environ.get(_BORROW_ENV, "").split(os.pathsep)):
+    if _p not in sys.path:
+        sys.path.append(_p)
 
 import torch
 
@@ -525,7 +544,7 @@ def row(name: str, launch: Launch, kind: str) -> dict:
     """One report row: compiles the launch (and, with a ``BLOCK`` constexpr, its 2x and 4x variants)."""
     fn, args, kwargs = launch
     kernel = compile_sm90(fn, args, kwargs)
-    r = dict(name=name, kind=kind, kernel=kernel_name(fn), **resources(kernel))
+    r = dict(name=name, kind=kind, kernel=kernel_name(fn), **resources(kernel), triton=triton.__version__)
     if "BLOCK" in kwargs:
         try:
             r.update(sass_per_element(fn, args, kwargs, kernel))
@@ -600,8 +619,52 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def versions() -> str:
+    """``Triton X (path), ptxas Y``: what compiled the report."""
+    from triton import knobs
+
+    try:
+        ptxas = knobs.nvidia.ptxas.version or "?"
+    except Exception:  # noqa: BLE001
+        ptxas = "?"
+    return f"Triton {triton.__version__} ({Path(triton.__file__).parent}), ptxas {ptxas}, sm_90a"
+
+
+def over_budget(rows: list[dict], max_regs: int) -> list[str]:
+    """Rows of optimizer kernels above ``max_regs`` registers, and any row that spills."""
+    return [f"{r['name']}: {r['regs']} registers, {r['spills']} spill bytes" for r in rows
+            if r["spills"] or (r["kind"] == "optimizer" and r["regs"] > max_regs)]
+
+
+def _without_python_flag(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--python":
+            skip = True
+        elif not a.startswith("--python="):
+            out.append(a)
+    return out
+
+
+def run_under(python: str, argv: list[str]) -> int:
+    """This script with ``argv`` under another interpreter (its Triton), borrowing this one's packages."""
+    import subprocess
+
+    borrow = [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
+    env = dict(os.environ, TRITON_INTERPRET="0", **{_BORROW_ENV: os.pathsep.join(borrow)})
+    env.pop("KERNEL_REPORT_PYTHON", None)
+    return subprocess.run([python, str(Path(__file__).resolve()), *_without_python_flag(argv)], env=env,
+                          check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--python", default=os.environ.get("KERNEL_REPORT_PYTHON") or None,
+                    help="make the report under this Python interpreter's Triton (env KERNEL_REPORT_PYTHON)")
+    ap.add_argument("--max-regs", type=int, default=None,
+                    help="exit 1 when an optimizer kernel needs more registers, or any kernel spills")
     ap.add_argument("--json", action="store_true", help="print JSON rows instead of a markdown table")
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--optimizer-only", action="store_true", help="only the optimizer kernels")
@@ -611,6 +674,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--toy-check", action="store_true", help="also print the method's check on toy kernels")
     ap.add_argument("--jobs", type=int, default=1, help="compile in this many forked processes")
     a = ap.parse_args(argv)
+    if a.python:  # (the child runs without the flag)
+        sys.exit(run_under(a.python, sys.argv[1:] if argv is None else list(argv)))
     why = tools_missing()
     if why:
         sys.exit(why)
@@ -620,11 +685,18 @@ def main(argv: list[str] | None = None) -> None:
     if a.json:
         print(json.dumps({"rows": rows, "toy": toys} if toys else rows, indent=1))
     else:
+        print(versions() + "\n")
         print(markdown(rows))
         if toys:
             print("\nMethod check on toy kernels (expected: 1.5 SASS/element, of the unmasked copy):")
             for name, t in toys.items():
                 print(f"- {name}: {t['sass_per_elem']:.2f} SASS/element ({t['copies']} body copies)")
+    if a.max_regs is not None:
+        over = over_budget(rows, a.max_regs)
+        for line in over:
+            print(f"over budget ({a.max_regs} registers, no spills): {line}", file=sys.stderr)
+        if over:
+            sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,18 @@ class Plan:
         self.amax_out = torch.empty(n, dtype=torch.float32)
         self.launches = self._launch_groups()
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the plan owns (its tables, counters, bounds, scales, key words), for memory
+        accounting; on the CPU but the float16 bounds and scales, which live with the parameters."""
+        out = [self.table, self.steps, self.row_index, self.row_group, self.scaled_group, self.keys.prefixes,
+               self.amax_meta, self.amax_out]
+        out += [t for t in (self.keys.block, self.amax_kinds, self.scaled_index) if t is not None]
+        if self.scaled_index is not None:
+            out += [self.bounds, self.scales]
+        if self.kernel == "triton":
+            out += [blocks for *_, blocks in self.launches]
+        return out
+
     # ------------------------------------------------------------------------------------------
     def _spec(self, s: TensorStep) -> tuple:
         if self.kernel == "triton":

@@ -69,10 +69,12 @@ if triton is not None:
         return a0, b
 
     @triton.jit
-    def _typed(addr, dtype: tl.constexpr, ALIGNED: tl.constexpr):
-        """An int64 address as a pointer; 16-byte alignment must be stated on the pointer itself for
-        Triton to vectorise (a hint on the integer is lost in the cast)."""
-        ptr = addr.to(tl.pointer_type(dtype))
+    def _typed(addr, start, dtype: tl.constexpr, ALIGNED: tl.constexpr):
+        """An int64 address as a pointer, advanced to the block's first element ``start`` (a scalar: the
+        per-element offsets stay 32-bit); 16-byte alignment must be stated on the pointer itself for
+        Triton to vectorise (a hint on the integer is lost in the cast). ``start`` is a multiple of the
+        block (>= 16 elements), so an aligned tensor's block start is aligned too."""
+        ptr = addr.to(tl.pointer_type(dtype)) + start
         if ALIGNED:
             ptr = tl.multiple_of(ptr, 16)
         return ptr
@@ -92,21 +94,21 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _load_f32(addr, offs, mask, KIND: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+    def _load_f32(addr, start, offs, mask, KIND: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
         """Loads float32 / bfloat16 (as bits) / float16 values at ``addr`` and widens to float32."""
         if KIND == _F32:
-            x = _load(_typed(addr, tl.float32, ALIGNED) + offs, mask, MASKED)
+            x = _load(_typed(addr, start, tl.float32, ALIGNED) + offs, mask, MASKED)
         elif KIND == _BF16:
-            bits = _load(_typed(addr, tl.uint16, ALIGNED) + offs, mask, MASKED)
+            bits = _load(_typed(addr, start, tl.uint16, ALIGNED) + offs, mask, MASKED)
             x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         else:
-            x = _load(_typed(addr, tl.float16, ALIGNED) + offs, mask, MASKED).to(tl.float32)
+            x = _load(_typed(addr, start, tl.float16, ALIGNED) + offs, mask, MASKED).to(tl.float32)
         return x
 
     @triton.jit
-    def _store(addr, offs, mask, val, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+    def _store(addr, start, offs, mask, val, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
         """Stores ``val`` (its dtype decides the pointer type)."""
-        ptr = _typed(addr, val.dtype, ALIGNED) + offs
+        ptr = _typed(addr, start, val.dtype, ALIGNED) + offs
         if MASKED:
             tl.store(ptr, val, mask=mask)
         else:
@@ -151,52 +153,53 @@ if triton is not None:
         return tl.where(tl.abs(x) < float("inf"), rounded, x).to(tl.float16)
 
     @triton.jit
-    def _store_rounded(addr, offs, mask, x, r16, KIND: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr,
-                       MASKED: tl.constexpr):
+    def _store_rounded(addr, start, offs, mask, x, r16, KIND: tl.constexpr, SR: tl.constexpr,
+                       ALIGNED: tl.constexpr, MASKED: tl.constexpr):
         """Writes float32 x to storage of KIND: exact, stochastic (noise r16) or round-to-nearest."""
         if KIND == _F32:
-            _store(addr, offs, mask, x, ALIGNED, MASKED)
+            _store(addr, start, offs, mask, x, ALIGNED, MASKED)
         elif KIND == _BF16:
             if SR:
-                _store(addr, offs, mask, _sr_bf16_bits(x, r16), ALIGNED, MASKED)
+                _store(addr, start, offs, mask, _sr_bf16_bits(x, r16), ALIGNED, MASKED)
             else:
-                _store(addr, offs, mask, _rne_bf16_bits(x), ALIGNED, MASKED)
+                _store(addr, start, offs, mask, _rne_bf16_bits(x), ALIGNED, MASKED)
         else:
             if SR:
-                _store(addr, offs, mask, _sr_f16(x, r16), ALIGNED, MASKED)
+                _store(addr, start, offs, mask, _sr_f16(x, r16), ALIGNED, MASKED)
             else:
-                _store(addr, offs, mask, x.to(tl.float16), ALIGNED, MASKED)
+                _store(addr, start, offs, mask, x.to(tl.float16), ALIGNED, MASKED)
 
     @triton.jit
-    def _block(row, frow, gmul_ptr, offs, mask, hi0, lo, lo0,
+    def _block(row, frow, gmul_ptr, start, offs, mask, hi0, lo, lo0,
                P_KIND: tl.constexpr, G_KIND: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
                MASTER: tl.constexpr, SCALE_M: tl.constexpr, SCALE_V: tl.constexpr,
                SR_P: tl.constexpr, SR_M: tl.constexpr, SR_V: tl.constexpr, GMUL: tl.constexpr, CLAMP: tl.constexpr,
                ALIGNED: tl.constexpr, MASKED: tl.constexpr):
         """The update of one block of one tensor (optim.functional.update_block_, operation for
         operation; ``MASKED`` blocks are the partial tail and blocks whose noise index crosses a
-        multiple of 2**32)."""
+        multiple of 2**32). Element ``offs[j]`` (int32, within the block) is the tensor's element
+        ``start + offs[j]``."""
         p_addr = tl.load(row + _P)
         g_addr = tl.load(row + _G)
         m_addr = tl.load(row + _M)
         v_addr = tl.load(row + _V)
         w_addr = tl.load(row + _MASTER)
 
-        g = _load_f32(g_addr, offs, mask, G_KIND, ALIGNED, MASKED)
+        g = _load_f32(g_addr, start, offs, mask, G_KIND, ALIGNED, MASKED)
         if GMUL == 1:
             g = g * tl.load(frow + _GRAD_MUL)
         elif GMUL == 2:
             g = g * tl.load(gmul_ptr)
         if MASTER == 1:
-            w = _load_f32(w_addr, offs, mask, _F32, ALIGNED, MASKED)
+            w = _load_f32(w_addr, start, offs, mask, _F32, ALIGNED, MASKED)
         elif MASTER == 2:  # optim.master16.join_master
-            hb = _load(_typed(p_addr, tl.uint16, ALIGNED) + offs, mask, MASKED).to(tl.uint32)
-            lb = _load(_typed(w_addr, tl.uint16, ALIGNED) + offs, mask, MASKED).to(tl.uint32)
+            hb = _load(_typed(p_addr, start, tl.uint16, ALIGNED) + offs, mask, MASKED).to(tl.uint32)
+            lb = _load(_typed(w_addr, start, tl.uint16, ALIGNED) + offs, mask, MASKED).to(tl.uint32)
             w = (((hb & 0x8000) << 16) | (((hb & 0x7FFF) - (lb >> 15)) << 16) | lb).to(tl.float32, bitcast=True)
         else:
-            w = _load_f32(p_addr, offs, mask, P_KIND, ALIGNED, MASKED)
-        m = _load_f32(m_addr, offs, mask, M_KIND, ALIGNED, MASKED)
-        v = _load_f32(v_addr, offs, mask, V_KIND, ALIGNED, MASKED)
+            w = _load_f32(p_addr, start, offs, mask, P_KIND, ALIGNED, MASKED)
+        m = _load_f32(m_addr, start, offs, mask, M_KIND, ALIGNED, MASKED)
+        v = _load_f32(v_addr, start, offs, mask, V_KIND, ALIGNED, MASKED)
 
         # one correctly rounded float32 operation each, no contraction (enable_fp_fusion=False);
         # float16 statistics are updated in their scaled form (optim.functional._scaled: the factors
@@ -223,33 +226,36 @@ if triton is not None:
         v_true = v
         if SCALE_V:
             v_true = v * v_new
-        w = w + tl.math.div_rn(m * neg_step, tl.math.sqrt_rn(v_true) + tl.load(frow + _EPS_HAT))
+        # m and v are stored before the division and the square root: fewer values are live across
+        # their slow-path calls (registers: see tests/optim/test_triton_kernel.py's sm_90 budget)
+        num = m * neg_step
+        h = lo
+        if SR_M or SR_V:  # one hash for both statistics: high half exp_avg, low half exp_avg_sq
+            a_s, b_s = _words(row, _A_S, _B_S, hi0, lo, lo0, MASKED)
+            h = _keyed_hash(lo, a_s, b_s)
+        _store_rounded(m_addr, start, offs, mask, m, h >> 16, M_KIND, SR_M, ALIGNED, MASKED)
+        _store_rounded(v_addr, start, offs, mask, v, h & 0xFFFF, V_KIND, SR_V, ALIGNED, MASKED)
+        w = w + tl.math.div_rn(num, tl.math.sqrt_rn(v_true) + tl.load(frow + _EPS_HAT))
         if CLAMP:  # NaN stays NaN
             lo_bound = tl.load(frow + _CLAMP_MIN)
             hi_bound = tl.load(frow + _CLAMP_MAX)
             w = tl.where(w < lo_bound, lo_bound, tl.where(w > hi_bound, hi_bound, w))
 
-        h = lo
-        if SR_M or SR_V:  # one hash for both statistics: high half exp_avg, low half exp_avg_sq
-            a_s, b_s = _words(row, _A_S, _B_S, hi0, lo, lo0, MASKED)
-            h = _keyed_hash(lo, a_s, b_s)
-        _store_rounded(m_addr, offs, mask, m, h >> 16, M_KIND, SR_M, ALIGNED, MASKED)
-        _store_rounded(v_addr, offs, mask, v, h & 0xFFFF, V_KIND, SR_V, ALIGNED, MASKED)
         if MASTER == 1:
-            _store(w_addr, offs, mask, w, ALIGNED, MASKED)
-            _store_rounded(p_addr, offs, mask, w, lo, P_KIND, False, ALIGNED, MASKED)
+            _store(w_addr, start, offs, mask, w, ALIGNED, MASKED)
+            _store_rounded(p_addr, start, offs, mask, w, lo, P_KIND, False, ALIGNED, MASKED)
         elif MASTER == 2:  # optim.master16.split_master: high half nearest (ties away), low half as is
             wb = w.to(tl.uint32, bitcast=True)
             mag = wb & 0x7FFFFFFF
             hi = tl.where(mag > 0x7F800000, 0x7FC00000, (mag + 0x8000) & 0xFFFF0000) | (wb & 0x80000000)
-            _store(p_addr, offs, mask, (hi >> 16).to(tl.uint16), ALIGNED, MASKED)
-            _store(w_addr, offs, mask, (wb & 0xFFFF).to(tl.uint16), ALIGNED, MASKED)
+            _store(p_addr, start, offs, mask, (hi >> 16).to(tl.uint16), ALIGNED, MASKED)
+            _store(w_addr, start, offs, mask, (wb & 0xFFFF).to(tl.uint16), ALIGNED, MASKED)
         else:
             h_p = lo
             if SR_P:
                 a_p, b_p = _words(row, _A_P, _B_P, hi0, lo, lo0, MASKED)
                 h_p = _keyed_hash(lo, a_p, b_p)
-            _store_rounded(p_addr, offs, mask, w, h_p >> 16, P_KIND, SR_P, ALIGNED, MASKED)
+            _store_rounded(p_addr, start, offs, mask, w, h_p >> 16, P_KIND, SR_P, ALIGNED, MASKED)
 
     @triton.jit
     def _sradamw_kernel(table_ptr, ftable_ptr, blocks_ptr, skip_ptr, gmul_ptr,
@@ -272,7 +278,7 @@ if triton is not None:
         frow = ftable_ptr + t * (2 * _ROW_WORDS) + 2 * _INT_WORDS
         n = tl.load(row + _NUMEL)
         start = b * BLOCK
-        offs = start + tl.arange(0, BLOCK)  # int64 element offsets
+        offs = tl.arange(0, BLOCK)  # int32 offsets within the block (the block's start is in the pointers)
         first = tl.load(row + _NOISE_BASE) + start  # noise index of the block's first element
         hi0 = (first >> 32).to(tl.uint32)
         lo0 = first.to(tl.uint32)
@@ -282,10 +288,11 @@ if triton is not None:
             go = tl.load(skip_ptr) == 0.0
         if go:
             if (start + BLOCK <= n) & ((first & 0xFFFFFFFF) <= _LAST_START - BLOCK):
-                _block(row, frow, gmul_ptr, offs, offs < n, hi0, lo, lo0, P_KIND, G_KIND, M_KIND, V_KIND, MASTER,
-                       SCALE_M, SCALE_V, SR_P, SR_M, SR_V, GMUL, CLAMP, ALIGNED, False)
-            else:
-                _block(row, frow, gmul_ptr, offs, offs < n, hi0, lo, lo0, P_KIND, G_KIND, M_KIND, V_KIND, MASTER,
-                       SCALE_M, SCALE_V, SR_P, SR_M, SR_V, GMUL, CLAMP, ALIGNED, True)
+                _block(row, frow, gmul_ptr, start, offs, offs < BLOCK, hi0, lo, lo0, P_KIND, G_KIND, M_KIND,
+                       V_KIND, MASTER, SCALE_M, SCALE_V, SR_P, SR_M, SR_V, GMUL, CLAMP, ALIGNED, False)
+            else:  # the partial tail block, or a block whose noise indices cross a multiple of 2**32
+                inside = offs < tl.minimum(n - start, BLOCK).to(tl.int32)
+                _block(row, frow, gmul_ptr, start, offs, inside, hi0, lo, lo0, P_KIND, G_KIND, M_KIND,
+                       V_KIND, MASTER, SCALE_M, SCALE_V, SR_P, SR_M, SR_V, GMUL, CLAMP, ALIGNED, True)
 
     sradamw_kernel = _sradamw_kernel

@@ -695,6 +695,12 @@ class SRAdamW(Optimizer):
 
     # ------------------------------------------------------------------------------------------
     # step plans (optim._plan): the general path leaves one; later steps over the same tensors use it
+    def plan_tensors(self) -> list[torch.Tensor]:
+        """The tensors this optimizer's step plans hold beyond its state (metadata tables, packed
+        counters and bounds, key words: ~10 KiB plus 32 bytes per tensor and step derived ahead), for
+        memory accounting."""
+        return [t for plan in self._plans for t in plan.tensors()]
+
     def _plan_kind(self, device: torch.device) -> tuple[str, Callable[..., None], Callable, Callable, Any] | None:
         """``(kind, launch, place, grad_amax, amax_kinds_of)`` of the kernel that updates ``device``'s
         tensors, or None on the eager path (no plan: it is the reference)."""

@@ -57,8 +57,8 @@ __all__ = [
 
 #: Elements per program and warps per program on the GPU. 2048 elements over 16 warps is 4 per
 #: thread: an 8-byte vector per 16-bit tensor and a 16-byte one per float32 tensor. Compiled for
-#: sm_90, every dtype group then needs 53-64 registers (8 per thread would need ~155), so two
-#: programs (32 warps) stay resident per SM to keep enough loads in flight.
+#: sm_90, every dtype group then needs 36-60 registers under Triton 3.6 and 3.8 (8 per thread would need ~155;
+#: benchmarks/kernel_report.py --max-regs 64), so at least two programs (32 warps) stay resident per SM.
 DEFAULT_BLOCK = 2048
 DEFAULT_NUM_WARPS = 16
 

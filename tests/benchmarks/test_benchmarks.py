@@ -170,19 +170,53 @@ def test_bench_train_breakdown_cpu(tmp_path: Path) -> None:
     assert result["markdown"] in proc.stdout and "| total (median step) |" in result["markdown"]
 
 
+def test_bench_train_routes_cpu(tmp_path: Path) -> None:
+    """--routes: the recipe's own train step under each DeepSpeed JSON, alternating in one process; the
+    ratio to the first route; with --breakdown every phase is wired (a step's exclusive phases add up to
+    its total) and each route shows its own machinery (ZeRO-2: per-gradient hooks, flattening, clipping;
+    ZeRO-0: the recipe's all-reduce-free step at one rank, its norm)."""
+    out = tmp_path / "routes.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu", "--batch", "8", "--steps", "3",
+           "--warmup", "1", "--ckpt", "off", "--loss-modes", "plain", "--routes", "zero0_bf16_sr",
+           str(ROOT / "ds_configs" / "zero2_bf16_halfmaster.json"), "--breakdown", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["routes"] == ["zero0_bf16_sr", "zero2_bf16_halfmaster"] and result["world_size"] == 1
+    z0, z2 = (result["rows"][n] for n in result["routes"])
+    assert (z0["route"], z2["route"]) == ("bf16/zero0", "bf16/zero2")
+    assert z0["ratio_to_first"] == 1.0 and z2["ratio_to_first"] == pytest.approx(z2["step_s"] / z0["step_s"])
+    parts = [k for k, _ in bench_train.ROUTE_PHASES if k != "total"]
+    for row in (z0, z2):
+        assert len(row["steps_s"]) == 3
+        for step in row["phase_steps"]:
+            assert sum(step[k] for k in parts) == pytest.approx(step["total"], rel=1e-9)
+            assert all(step[k] >= 0 for k in parts), step
+        assert row["phases"]["forward"] > 0 and row["phases"]["backward"] > 0 and row["phases"]["optimizer"] > 0
+        assert row["phases"]["norm"] > 0
+    assert z2["phase_calls"]["hooks"] == 69 and z2["phases"]["flatten"] > 0 and z2["phases"]["clip"] > 0
+    assert z0["phases"]["hooks"] == z0["phases"]["flatten"] == z0["phases"]["clip"] == 0
+    assert "step time / `zero0_bf16_sr`" in result["markdown"] and result["markdown"] in proc.stdout
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_train_cuda_tiny(tmp_path: Path) -> None:
+    # The script's CUDA path, as small as it goes: one arm (the recipe with the fused loss: DeepSpeed,
+    # SRAdamW's Triton kernel and the loss kernels on the GPU), one warm-up and one timed step, in one
+    # worker process (each arm is a process: ~30 s on the GPU machine, ~90 s for the three arms this
+    # used to run). The OpenCLIP arm and the plain loss on CUDA: gpu_check.sh's `train` step runs
+    # bench_train on ViT-B-32 with the baseline; the CPU smoke test above compares the arms' inputs.
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cuda", "--preset", "tiny", "--batch", "64",
-           "--steps", "3", "--fit", "none", "--ckpt", "off", "--json", str(out)]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cuda", "--preset", "tiny",
+           "--batch", "16", "--warmup", "1", "--steps", "1", "--fit", "none", "--ckpt", "off", "--loss-modes", "fused",
+           "--no-baseline", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
-    assert {"recipe-plain", "recipe-fused"} <= set(rows)
-    assert len({r["checksum"] for r in rows.values()}) == 1
+    assert set(rows) == {"recipe-fused"}, rows
     for r in rows.values():
-        assert r["fits"] and r["samples_per_s"] > 0 and r["peak_bytes"] > 0
+        assert r["fits"] and r["samples_per_s"] > 0 and r["peak_bytes"] > 0 and r["checksum"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,8 +378,11 @@ def test_bench_memory_reads_what_the_engine_holds(memory_rows: list[list[dict]],
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_memory_on_one_gpu() -> None:
-    rows = bench_memory.run_modes(list(PROMISED), world=1, batch=4, inspect=grad_reference, device_type="cuda", timeout_s=600)[0]
-    for mode in PROMISED:
+    # The two default routes (several GPUs: ZeRO-2 halfmaster; one GPU: bf16 SR at ZeRO-0) in one worker;
+    # every mode of PROMISED is checked on CPU ranks above (test_bench_memory_reads_what_the_engine_holds)
+    modes = ["zero2_bf16_halfmaster", "zero0_bf16_sr"]
+    rows = bench_memory.run_modes(modes, world=1, batch=4, inspect=grad_reference, device_type="cuda", timeout_s=600)[0]
+    for mode in modes:
         # CUDA libraries may keep a few small tensors of their own (workspaces are not tensors)
         check_memory_row(next(x for x in rows if x["mode"] == mode), mode, world=1, unaccounted_limit=2**20)
 

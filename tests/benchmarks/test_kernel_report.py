@@ -57,6 +57,9 @@ def test_every_variant_compiles_without_spills(report: dict) -> None:
         assert r["spills"] == 0, r
         assert 0 < r["regs"] <= 255, r
     optim = [r for r in rows if r["kind"] == "optimizer"]
+    # the optimizer's budget: two programs of 16 warps per SM (tests/optim/test_triton_kernel.py checks the
+    # same on its own specialisations; `kernel_report.py --python PY --max-regs 64` under another Triton)
+    assert all(r["regs"] <= 64 for r in optim), [(r["name"], r["regs"]) for r in optim]
     # every route is reported (one row, or one per distinct kernel named "route [kernel]")
     for route in report["routes"]:
         assert any(r["name"] == route or r["name"].startswith(f"{route} [") for r in optim), route
@@ -99,3 +102,22 @@ def test_every_launch_of_a_step_is_recorded(report: dict) -> None:
     names = report["two_groups"]
     assert len(names) == 2, names
     assert all(n.startswith("two dtype groups [") for n in names), names
+
+
+def test_another_triton_runs_the_same_report(tmp_path: Path) -> None:
+    # --python PY (or KERNEL_REPORT_PYTHON=PY) re-runs the script under PY with the same arguments, less the
+    # flag, TRITON_INTERPRET=0 and this interpreter's site-packages to append after PY's own (its torch)
+    stub = tmp_path / "python"
+    record = tmp_path / "called"
+    stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {record}\n'
+                    f'printf "%s\\n" "$TRITON_INTERPRET" "$KERNEL_REPORT_BORROW" >> {record}\nexit 3\n')
+    stub.chmod(0o755)
+    script = ROOT / "benchmarks" / "kernel_report.py"
+    for argv, env in (([f"--python={stub}", "--optimizer-only"], {}),
+                      (["--optimizer-only"], {"KERNEL_REPORT_PYTHON": str(stub)})):
+        res = subprocess.run([sys.executable, str(script), *argv, "--max-regs", "64"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300, env=dict(os.environ, **env), check=False)
+        assert res.returncode == 3, res.stderr[-2000:]  # the child's status
+        lines = record.read_text().splitlines()
+        assert lines[:4] == [str(script), "--optimizer-only", "--max-regs", "64"], lines
+        assert lines[4] == "0" and any(p.endswith("-packages") for p in lines[5].split(os.pathsep)), lines

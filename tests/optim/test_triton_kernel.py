@@ -18,7 +18,9 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ from optim._rows import INT_WORDS, ROW_WORDS, Slot, Word
 from optim.functional import HYPERPARAMETERS
 from optim.rounding import _segment_word, derive_key, key_words, random_bits, round_with_bits
 
+from ..precompile import precompile
 from .sr_reference import assert_same_bits, assert_same_optimizer_bits
 
 CUDA = torch.cuda.is_available()
@@ -133,11 +136,25 @@ def step_both(ref: SRAdamW, ref_params: list, fused: SRAdamW, dev_params: list, 
     assert_same_optimizer_bits(ref, ref_params, fused, dev_params, f"step {t}")
 
 
+def fused_steps(groups: list[dict], device: str) -> None:
+    """The fused optimizer's steps of the test below on copies of its groups, results unchecked: the dry
+    run :func:`tests.precompile.precompile` records the kernels from."""
+    params = clone_to([g["params"][0] for g in groups], device)
+    fused = SRAdamW([dict(g, params=[p]) for g, p in zip(groups, params)], lr=2e-2, betas=(0.9, 0.99), fused=True,
+                    seed=7)
+    for t, (scale, kwargs) in enumerate(STEPS):
+        for q, g in zip(params, grads(params, t, scale)):
+            q.grad = g.to(device)
+        fused.step(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_optimizer_matches_pytorch_path_bit_exactly(device: str, small_blocks: None,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     groups = dtype_groups()
     assert len(groups) == 35
+    if device == "cuda":  # ~100 kernel specialisations (35 groups x 3 grad multiplier modes): compiled ahead
+        precompile(lambda: fused_steps(groups, device))
     ref_params = [g["params"][0] for g in groups]
     dev_params = clone_to(ref_params, device)
     dev_groups = [dict(g, params=[p]) for g, p in zip(groups, dev_params)]
@@ -461,16 +478,44 @@ def test_kernel_compiles_for_sm90_without_a_gpu() -> None:
     assert vectors["bf16-unaligned"] == (0, 0, 0, 0), vectors
 
 
+_INTERPRETER_RUN: dict[str, tuple[subprocess.Popen, Any]] = {}
+
+
+def _start_interpreter_run() -> tuple[subprocess.Popen, Any]:
+    """This file's CPU tests (``-m "not gpu"``) in a subprocess with CUDA hidden: the interpreter variant
+    and the sm_90 compile check, under this machine's Triton. Output to a temporary file."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not gpu", str(Path(__file__))],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return proc, log
+
+
+@pytest.fixture(scope="session", autouse=True)
+def interpreter_run_beside_the_gpu_tests(request: pytest.FixtureRequest):
+    """On a GPU run that selected test_interpreter_variant_in_subprocess, its subprocess (CPU only, ~25 s
+    on the GPU machine) starts with this module's first test and runs beside the GPU tests; the test
+    waits for it (tests/conftest.py runs it after the rest of tests/optim under ``-m gpu``)."""
+    selected = any(item.name == "test_interpreter_variant_in_subprocess" for item in request.session.items)
+    if CUDA and not INTERPRETED and HAVE_TRITON and selected:
+        _INTERPRETER_RUN["run"] = _start_interpreter_run()
+    yield
+    run = _INTERPRETER_RUN.pop("run", None)
+    if run is not None:
+        if run[0].poll() is None:
+            run[0].kill()
+        run[0].wait()
+        run[1].close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or INTERPRETED or not HAVE_TRITON, reason="needs CUDA and compiled Triton in this process")
 def test_interpreter_variant_in_subprocess() -> None:
     # This process compiled the kernels for CUDA; the CPU interpreter variant runs without CUDA.
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not gpu", str(Path(__file__))],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert res.returncode == 0, res.stdout[-3000:]
+    proc, log = _INTERPRETER_RUN.get("run") or _INTERPRETER_RUN.setdefault("run", _start_interpreter_run())
+    returncode = proc.wait(timeout=600)
+    log.seek(0)
+    assert returncode == 0, log.read()[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------

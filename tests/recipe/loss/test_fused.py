@@ -49,6 +49,7 @@ from recipe.loss import fused as lk
 
 from ...clip_reference import LargestTensor, assert_grad_close, clip_reference
 from ...dist_utils import run_distributed
+from ...precompile import precompile
 
 HAVE_TRITON = _triton.is_available()
 INTERPRETED = HAVE_TRITON and lk.interpreting()
@@ -393,9 +394,42 @@ GPU_CASES = (
 )
 
 
+def _gpu_dry_run() -> None:
+    """The GPU tests' launches, results unchecked (each case on its own: one that trips over the outputs
+    of the launches the dry run skips does not hide the others)."""
+    for case in GPU_CASES:
+        image, text = _inputs(case)
+        for chunk in (4096, 32):
+            try:
+                _run_loss(image, text, case, chunk=chunk, device="cuda")
+            except Exception:  # noqa: BLE001
+                pass
+    for dtype in ("float32", "bfloat16"):
+        try:
+            image, text = _inputs(Case(dtype, 100.0, (300, 700), 128))
+            cfg = dataclasses.replace(lk.default_config(image.dtype, 128), band_cols=256)
+            x, y = image.cuda().requires_grad_(), text.cuda().requires_grad_()
+            scale = torch.tensor(100.0, device="cuda", requires_grad=True)
+            terms = []
+            for offset, n in ((0, 300), (300, 700)):  # as test_gpu_row_blocks_and_bands
+                terms += [lk.fused_cross_entropy(x[offset : offset + n], y, scale, offset, cfg)[0].sum(),
+                          lk.fused_cross_entropy(y[offset : offset + n], x, scale, offset, cfg)[0].sum()]
+            sum(terms).backward()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+@pytest.fixture(scope="module")
+def gpu_kernels_compiled_ahead() -> None:
+    """The GPU tests' kernel specialisations (~40), compiled in parallel processes before the first of
+    them runs (tests/precompile.py); each test then finds its kernels in Triton's cache."""
+    precompile(_gpu_dry_run)
+
+
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("chunk", [4096, 32], ids=["tile128", "tile32"])
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=on_gpu)])
+@pytest.mark.usefixtures("gpu_kernels_compiled_ahead")
 def test_gpu_matches_float64_reference(case: Case, chunk: int, device: str) -> None:
     image, text = _inputs(case)
     got = _run_loss(image, text, case, chunk=chunk, device=device)
@@ -405,6 +439,7 @@ def test_gpu_matches_float64_reference(case: Case, chunk: int, device: str) -> N
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=on_gpu)])
+@pytest.mark.usefixtures("gpu_kernels_compiled_ahead")
 def test_gpu_row_blocks_and_bands(dtype: str, device: str) -> None:
     """The sharded path (two row blocks) with several bands, against the float64 reference."""
     case = Case(dtype, 100.0, (300, 700), 128)
