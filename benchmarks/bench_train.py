@@ -3,7 +3,7 @@
 Arms (each trains on the same random pixels and tokens, generated from one seed):
 
 * ``recipe-<loss mode>``: :func:`recipe.model.create_model` (``ViT-B-32`` preset on CUDA, ``tiny``
-  on CPU) under DeepSpeed with ``ds_configs/zero2_bf16_halfmaster.json`` (bf16, ZeRO-2), SRAdamW
+  on CPU) under DeepSpeed with ``ds_configs/zero0_bf16_sr.json`` (bf16 at ZeRO-0, the default route), SRAdamW
   over the CLIP paper's groups as :mod:`recipe.train` builds them (text tower: SR bf16 weights and
   bf16 states, no master; image tower and logit scale: fp32 master), :class:`recipe.loss.ClipLoss`
   in each requested mode that exists (``plain``; ``fused`` once :data:`recipe.loss.LOSS_MODES` has

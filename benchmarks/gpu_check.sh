@@ -20,8 +20,8 @@
 #                    fp32/bf16, SRAdamW fused (with and without check_finite), torchao, optimi
 #                    (the PyTorch-path SRAdamW rows, the CPU reference, are excluded)
 #   loss       62 s  bench_loss: B = 32k/64k/131k, D = 1024, bf16; open_clip ClipLoss, chunked, fused
-#   train      80 s  bench_train: ViT-B-32, batch 512, recipe (fused loss) vs OpenCLIP, no checkpointing
-#   memory     33 s  bench_memory: ViT-B-32 bytes per parameter, recipe ZeRO-2 vs DeepSpeed standard bf16
+#   train      80 s  bench_train: ViT-B-32, batch 512, recipe (fused loss, default route) vs OpenCLIP, no checkpointing
+#   memory     33 s  bench_memory: ViT-B-32 bytes per parameter, recipe default (ZeRO-0) vs DeepSpeed standard bf16
 #   tests     150 s  pytest -m gpu (kernel tests first: tests/conftest.py orders them)
 #   goals       8 s  gpu_goals.py: PASS / FAIL / MISSING per goal, printed and written to goals.md
 #   pack        5 s  everything into one archive; see "Results"
@@ -32,6 +32,8 @@
 #                    bench_train as `train` vs OpenCLIP, then bench_memory's census of that mode
 #   verify     90 s  bash launch.sh verify on this GPU: fused loss and Triton optimizer kernel vs their
 #                    references, NCCL all-gather/reduce-scatter, free memory vs recipe.plan (issue 18)
+#   hosttime   45 s  bench_optim --host: SRAdamW's host time per step, launches recorded (issue 27.1)
+#   routes     90 s  bench_train --routes: ViT-B-32 train step per DeepSpeed route / ZeRO-0 (issue 27.3)
 #   numerics  240 s  numerics_routes.py: ViT-B-32 on synthetic batches, same seed and batches, three arms
 #                    (default SR route, all-SR, DeepSpeed standard bf16 with fp32 masters): loss curves
 #                    in one figure (numerics_routes.png) and their JSON
@@ -67,7 +69,7 @@ PY=${PYTHON:-python3}
 
 KILL_AFTER=2          # seconds between a step's SIGINT and its SIGKILL
 BUDGET_LIMIT_S=480    # what the default run must fit (8 minutes)
-ALL_STEPS=(optim loss train memory tests compile accum zero0 verify numerics)
+ALL_STEPS=(optim loss train memory tests compile accum zero0 verify numerics hosttime routes)
 DEFAULT_STEPS=(optim loss train memory tests)
 ALWAYS_STEPS=(setup env goals pack)
 ARCHIVE=gpu_check_results.tar.gz
@@ -186,22 +188,20 @@ step env 12 env.log "environment" "$PY" benchmarks/gpu_goals.py env "$RES"
 step optim 65 bench_optim.md "optimizer step, 1.07 B params and ViT-B-32 (issue 6)" \
   "$PY" benchmarks/bench_optim.py --device cuda --layout gpu-1b,vit-b-32 --exclude "PyTorch path" \
   --json "$RES/bench_optim.json"
-# >>> place for the optimizer host-time step (issue 27.2), e.g. opt-in:
-# step hosttime 45 bench_optim_host.md "SRAdamW host time per step, launches recorded (issue 27.2, opt-in)" \
-#   "$PY" benchmarks/bench_optim.py --device cuda --host --json "$RES/bench_optim_host.json"
+step hosttime 45 bench_optim_host.md "SRAdamW host time per step, launches recorded (issue 27.1, opt-in)" \
+  "$PY" benchmarks/bench_optim.py --host --json "$RES/bench_optim_host.json"
 step loss 62 bench_loss.md "contrastive loss, D=1024 bf16, B=32k..131k (issues 3, 7)" \
   "$PY" benchmarks/bench_loss.py --device cuda --batch 32768 65536 131072 --dim 1024 --dtype bfloat16 \
   --impls chunked fused open_clip --repeats 5 --time-budget-s 2 ${loss_json[@]+"${loss_json[@]}"}
 step train 80 bench_train.md "ViT-B-32 train step at batch 512 vs OpenCLIP (issue 8)" \
   "$PY" benchmarks/bench_train.py --device cuda --batch 512 --fit none --ckpt off --loss-modes fused \
   --steps 10 --warmup 3 --json "$RES/bench_train.json"
-# >>> place for the ZeRO-2 / ZeRO-0 train-step ratio step (issue 27), e.g. opt-in:
-# step zeroratio 90 bench_train_routes.md "ZeRO-2 / ZeRO-0 train-step ratio, ViT-B-32 (issue 27, opt-in)" \
-#   "$PY" benchmarks/bench_train.py --device cuda --batch 512 --ckpt off --routes zero0_bf16_sr \
-#   zero2_bf16_halfmaster --steps 20 --json "$RES/bench_train_routes.json"
+step routes 90 bench_train_routes.md "train step per DeepSpeed route / ZeRO-0, ViT-B-32 batch 512 (issue 27.3, opt-in)" \
+  "$PY" benchmarks/bench_train.py --device cuda --ckpt off --loss-modes fused --steps 20 --warmup 3 \
+  --routes zero0_bf16_sr zero2_bf16_halfmaster zero1_bf16_halfmaster --json "$RES/bench_train_routes.json"
 step memory 33 bench_memory.md "memory census, ViT-B-32" \
   "$PY" benchmarks/bench_memory.py --device cuda --world 1 --preset ViT-B-32 --batch 64 \
-  --modes zero2_bf16_halfmaster zero2_bf16_standard --json "$RES/bench_memory.json"
+  --modes zero0_bf16_sr zero2_bf16_standard --json "$RES/bench_memory.json"
 step tests 150 tests.log "GPU tests (kernel tests first)" \
   "$PY" -m pytest -q -m gpu -p no:cacheprovider --durations=15 --junitxml "$RES/tests.xml" tests
 step compile 150 bench_train_compile.md "train step with --compile (issue 16, opt-in)" \

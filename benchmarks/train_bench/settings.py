@@ -12,7 +12,7 @@ from _common import ROOT  # noqa: E402  (the benchmarks' shared module; puts the
 
 __all__ = ["DEFAULT_DS_CONFIG", "BenchSettings", "resolve_settings", "available_arms", "worker_spec"]
 
-DEFAULT_DS_CONFIG = str(ROOT / "ds_configs" / "zero2_bf16_halfmaster.json")
+DEFAULT_DS_CONFIG = str(ROOT / "ds_configs" / "zero0_bf16_sr.json")  # the default route (launch.sh, recipe.plan)
 
 
 @dataclass
