@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -34,6 +37,42 @@ def assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, 
     err = (actual.double() - expected).abs().max().item()
     bound = tol * expected.abs().max().item()
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+class LiveBytes(TorchDispatchMode):
+    """Tracks the bytes of the tensor storages created by torch operators while it is active that are
+    still alive, and their peak (a storage counts until its last tensor or view is gone; works on the
+    meta device, where shapes are real and nothing is computed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, list[int]] = {}  # storage id -> [tensors alive, bytes]
+
+    def _release(self, key: int) -> None:
+        entry = self._refs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._refs[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {torch._C._storage_id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                key = torch._C._storage_id(t)
+                entry = self._refs.get(key)
+                if entry is None:
+                    if key in inputs:  # a view (or in-place result) of a storage made before the probe
+                        continue
+                    entry = self._refs[key] = [0, t.untyped_storage().nbytes()]
+                    self.live += entry[1]
+                    self.peak = max(self.peak, self.live)
+                entry[0] += 1
+                weakref.finalize(t, self._release, key)
+        return out
 
 
 class LargestTensor(TorchDispatchMode):

@@ -44,8 +44,14 @@ GEMMs (tensor cores for 16-bit features) then give the band's column gradients
 ``d cols[band] = dS_band^T rows`` (complete, fp32 accumulation, one rounding) and add
 ``dS_band cols[band]`` into an fp32 ``(M, D)`` accumulator of the row gradients. A band entry costs
 6 bytes of traffic against ``6 D`` flops, so the GEMMs stay compute-bound; ``band_cols`` is at least
-1,024 on the GPU so that the accumulator update is too. Extra memory: the band (``M x band_cols``),
-the fp32 row accumulator and the partial statistics: ``O(B D)``, the logits block never exists.
+1,024 on the GPU so that the accumulator update is too. A band taller than ``band_rows_bytes``
+(128 MiB) of ``dS`` is computed a row chunk at a time, its column gradient summed over the chunks in
+an fp32 ``band_cols x D`` buffer; at the end the fp32 row accumulator is converted to the features'
+dtype inside its own storage (no second ``M x D`` tensor). Extra memory: one band chunk, the fp32
+row accumulator, the column gradient and the partial statistics: ``O(B D)``, the logits block never
+exists. At ``B = 131072``, ``D = 1024``, bf16: 909 MiB including both inputs' gradients (was 1289;
+the census runs shape for shape on the meta device in tests/recipe/loss/test_fused.py, and gave the
+H200's measured 1288 MiB for the earlier code).
 
 The logit bias is not applied inside the kernels: softmax cross-entropy is invariant to a constant
 added to a row, so it changes neither the loss nor any other gradient and its own gradient is exactly
@@ -116,8 +122,12 @@ class FusedConfig:
         band_cols: Columns per backward band (rounded up to a multiple of ``block_n``); ``None``:
             ``band_bytes`` worth of ``dS`` but at least ``min_band_cols`` (GPU) or one tile
             (interpreter, so that the band accumulation is exercised).
-        band_bytes: Target size of one ``dS`` band.
+        band_bytes: Target size of one ``dS`` band (sets its width).
         min_band_cols: Smallest band on the GPU (keeps the accumulating GEMM compute-bound).
+        band_rows: Rows of the band computed at a time (a multiple of ``block_m``); ``None``: at most
+            ``band_rows_bytes`` of ``dS`` at once (the whole height when that fits). A band taller than
+            that is walked in row chunks, its column gradient summed over them in fp32.
+        band_rows_bytes: Most ``dS`` held at once (bounds the backward's memory at large batches).
     """
 
     block_m: int = 128
@@ -131,13 +141,15 @@ class FusedConfig:
     band_cols: int | None = None
     band_bytes: int = 256 * 2**20
     min_band_cols: int = 1024
+    band_rows: int | None = None
+    band_rows_bytes: int = 128 * 2**20
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-        for name in ("num_warps", "num_stages", "group_m", "band_bytes", "min_band_cols"):
+        for name in ("num_warps", "num_stages", "group_m", "band_bytes", "min_band_cols", "band_rows_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_registers is not None and not 24 <= self.max_registers <= 255:
@@ -146,6 +158,8 @@ class FusedConfig:
             raise ValueError(f"programs must be positive, got {self.programs}")
         if self.band_cols is not None and self.band_cols < 1:
             raise ValueError(f"band_cols must be positive, got {self.band_cols}")
+        if self.band_rows is not None and (self.band_rows < 1 or self.band_rows % self.block_m):
+            raise ValueError(f"band_rows must be a positive multiple of block_m, got {self.band_rows}")
 
 
 def _pow2_floor(x: int) -> int:
@@ -326,6 +340,30 @@ def _band_cols(cfg: FusedConfig, m_rows: int, n_cols: int, elem: int) -> int:
     return min(width, _cdiv(n_cols, cfg.block_n) * cfg.block_n)
 
 
+def _band_rows(cfg: FusedConfig, m_rows: int, width: int, elem: int) -> int:
+    """Rows of ``dS`` computed at a time: ``band_rows``, else as many whole row tiles as fit in
+    ``band_rows_bytes`` (at least one tile; all rows when they fit)."""
+    if cfg.band_rows is not None:
+        rows = cfg.band_rows
+    else:
+        rows = max(cfg.block_m, cfg.band_rows_bytes // max(1, width * elem) // cfg.block_m * cfg.block_m)
+    return min(rows, _cdiv(m_rows, cfg.block_m) * cfg.block_m)
+
+
+def _into_own_storage(acc: Tensor, dtype: torch.dtype, rows_per_step: int = 8192) -> Tensor:
+    """``acc.to(dtype)`` for an fp32 ``(M, D)`` ``acc`` written into the first half (bf16, fp16) of
+    ``acc``'s own storage, a row block at a time, so that the conversion allocates no second ``(M, D)``
+    tensor (the result is a view keeping that storage). In row order each block's destination lies in
+    blocks already read (block 0's in itself: it is read whole first)."""
+    if dtype == torch.float32:
+        return acc
+    m, d = acc.shape
+    out = acc.reshape(-1).view(dtype)[: m * d].view(m, d)
+    for r0 in range(0, m, rows_per_step):
+        out[r0 : r0 + rows_per_step].copy_(acc[r0 : r0 + rows_per_step].to(dtype))
+    return out
+
+
 def _ds_dtype(feature_dtype: torch.dtype) -> torch.dtype:
     """dtype of the ``dS`` bands: the features' (tensor-core GEMMs with fp32 accumulation; fp16 with
     the range scaling of :func:`_ds_range`), fp32 for fp32 features (exact fp32 contract)."""
@@ -453,28 +491,45 @@ class _FusedCrossEntropy(torch.autograd.Function):
         # accumulation, fp32 stays fp32
         ds_dtype = _ds_dtype(rows.dtype)
         out_scale, unscale = _ds_range(ds_dtype, g_r, g_c, scale_buf)
-        width = _band_cols(cfg, m_rows, n_cols, torch.finfo(ds_dtype).bits // 8)
-        band = torch.empty(m_rows, width, dtype=ds_dtype, device=device)
+        elem = torch.finfo(ds_dtype).bits // 8
+        width = _band_cols(cfg, m_rows, n_cols, elem)
+        height = _band_rows(cfg, m_rows, width, elem)
+        band = torch.empty(height, width, dtype=ds_dtype, device=device)
         acc = torch.zeros(m_rows, dim, **f32) if need_rows else None
         grad_c = torch.empty(n_cols, dim, dtype=cols.dtype, device=device) if need_cols else None
+        chunked = height < m_rows  # the band's column gradient is then summed over its row chunks in fp32
+        band_grad = torch.empty(width, dim, **f32) if need_cols and chunked else None
         grad_s = torch.zeros((), dtype=torch.float64, device=device)
-        row_tiles = _cdiv(m_rows, cfg.block_m)
         for c0 in range(0, n_cols, width):
             w = min(width, n_cols - c0)
-            partial = torch.empty(row_tiles * _cdiv(w, cfg.block_n), **f32)
-            grid, args, kwargs = _bwd_launch(rows, cols, scale_buf, out_scale, pos, (row_max, row_ll, g_r), col_stats,
-                                             band, partial, ctx.offset, c0, w, symmetric, cfg)
-            bwd_kernel[grid](*args, **kwargs)
-            ds = band[:, :w]
-            if need_cols:
-                g = mm_f32(ds.mT, rows)
+            for r0 in range(0, m_rows, height):
+                h = min(height, m_rows - r0)
+                partial = torch.empty(_cdiv(h, cfg.block_m) * _cdiv(w, cfg.block_n), **f32)
+                stats = (row_max[r0 : r0 + h], row_ll[r0 : r0 + h], g_r[r0 : r0 + h])
+                grid, args, kwargs = _bwd_launch(rows[r0 : r0 + h], cols, scale_buf, out_scale, pos[r0 : r0 + h],
+                                                 stats, col_stats, band, partial, ctx.offset + r0, c0, w, symmetric,
+                                                 cfg)
+                bwd_kernel[grid](*args, **kwargs)
+                ds = band[:h, :w]
+                if need_cols and not chunked:
+                    g = mm_f32(ds.mT, rows)
+                    grad_c[c0 : c0 + w] = (g if unscale is None else g.mul_(unscale)).to(cols.dtype)
+                elif need_cols:
+                    if r0 == 0:
+                        band_grad[:w] = mm_f32(ds.mT, rows[:h])
+                    else:
+                        addmm_f32_(band_grad[:w], ds.mT, rows[r0 : r0 + h])
+                if need_rows:
+                    addmm_f32_(acc[r0 : r0 + h], ds, cols[c0 : c0 + w])
+                grad_s += partial.sum(dtype=torch.float64)
+            if need_cols and chunked:
+                g = band_grad[:w]
                 grad_c[c0 : c0 + w] = (g if unscale is None else g.mul_(unscale)).to(cols.dtype)
-            if need_rows:
-                addmm_f32_(acc, ds, cols[c0 : c0 + w])
-            grad_s += partial.sum(dtype=torch.float64)
-        del band, ds  # (the view kept the band alive) before the row gradient's allocation
+        del band, band_grad, ds, args  # (the views and the launch arguments kept the band alive)
         if need_rows:
-            grad_r = (acc if unscale is None else acc.mul_(unscale)).to(rows.dtype)
+            if unscale is not None:
+                acc.mul_(unscale)
+            grad_r = _into_own_storage(acc, rows.dtype)  # no second (M, D) tensor at the peak
         else:
             grad_r = None
         grad_scale = grad_s.float().reshape(ctx.scale_shape) if need_scale else None

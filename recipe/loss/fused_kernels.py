@@ -244,10 +244,11 @@ if triton is not None:
         if (col0 + ct * BN < first_target + BM) & (col0 + ct * BN + BN > first_target):
             pos_r = tl.load(pos_ptr + rows, mask=row_ok, other=0.0)
             d_target = g_r * _expm1((pos_r - m_r) - ll_r)
-            if SYMMETRIC:  # square block, offset 0: row i's target is column i
-                d_target += tl.load(col_g_ptr + rows, mask=row_ok, other=0.0) * _expm1(
-                    (pos_r - tl.load(col_m_ptr + rows, mask=row_ok, other=0.0))
-                    - tl.load(col_ll_ptr + rows, mask=row_ok, other=0.0)
+            if SYMMETRIC:  # square block: row i's target is column offset + i (offset: the row chunk's start)
+                targets = rows + offset
+                d_target += tl.load(col_g_ptr + targets, mask=row_ok, other=0.0) * _expm1(
+                    (pos_r - tl.load(col_m_ptr + targets, mask=row_ok, other=0.0))
+                    - tl.load(col_ll_ptr + targets, mask=row_ok, other=0.0)
                 )
             ds = tl.where(cols[None, :] == (rows + offset)[:, None], d_target[:, None], ds)
         ds = tl.where(row_ok[:, None] & col_ok[None, :], ds, 0.0)
