@@ -27,13 +27,13 @@ BREAKDOWN_ROWS = [
     ("loss", "loss"),
     ("backward", "backward (autograd)"),
     ("ds_hooks", "DeepSpeed: per-gradient hooks (bucket copies)"),
-    ("ds_reduce", "DeepSpeed: gradient reduction at the end of backward"),
+    ("ds_reduce", "gradient all-reduce (DeepSpeed's at the end of backward; ZeRO-0: the recipe's)"),
     ("ds_overflow", "DeepSpeed: overflow check"),
-    ("ds_norm", "gradient norm (DeepSpeed; baseline: clip_grad_norm_)"),
+    ("ds_norm", "gradient norm (DeepSpeed's; ZeRO-0: the recipe's; baseline: clip_grad_norm_)"),
     ("ds_clip", "DeepSpeed: unscale and clip"),
     ("optimizer", "optimizer step (SRAdamW / torch AdamW + zero_grad)"),
     ("ds_allgather", "DeepSpeed: weight all-gather"),
-    ("ds_copy", "DeepSpeed: rest of engine.step (gradient flatten, weight copies)"),
+    ("ds_copy", "DeepSpeed: rest of engine.step (gradient flatten, weight copies, zero_grad)"),
     ("step_own", "train step's own work (finite flags, outcome read, passes bookkeeping)"),
     ("total", "total (median step)"),
 ]
@@ -87,6 +87,7 @@ class _PhaseClock:
 
 def _clock_recipe(runner: RecipeRunner) -> _PhaseClock:
     import recipe.passes
+    import recipe.step
 
     clock, engine = _PhaseClock(runner.device), runner.arm.engine
     zero = engine.optimizer
@@ -96,14 +97,21 @@ def _clock_recipe(runner: RecipeRunner) -> _PhaseClock:
     clock.wrap(engine, "backward", "backward_all")
     clock.wrap(engine, "allreduce_gradients", "ds_reduce")
     clock.wrap(engine, "step", "engine_step")
-    for attr, phase in (
-        ("process_gradients", "ds_hooks"),
-        ("check_overflow", "ds_overflow"),
-        ("scaled_global_norm", "ds_norm"),
-        ("unscale_and_clip_grads", "ds_clip"),
-        ("_optimizer_step", "optimizer"),
-    ):
-        clock.wrap(zero, attr, phase)
+    if hasattr(zero, "_optimizer_step"):  # ZeRO-1/2: DeepSpeed's optimizer wraps the recipe's
+        for attr, phase in (
+            ("process_gradients", "ds_hooks"),
+            ("check_overflow", "ds_overflow"),
+            ("scaled_global_norm", "ds_norm"),
+            ("unscale_and_clip_grads", "ds_clip"),
+            ("_optimizer_step", "optimizer"),
+        ):
+            clock.wrap(zero, attr, phase)
+    else:  # the recipe-managed routes (bf16 ZeRO-0, fp16): engine.step calls the client optimizer's step
+        # at class level: recipe.step.step_kwargs binds ``type(opt).step`` for every step
+        clock.wrap(type(zero), "step", "optimizer")
+    # the recipe's own all-reduce and clipping norm (recipe-managed routes; train_step calls them by name)
+    clock.wrap(recipe.step, "allreduce_gradients", "recipe_reduce")
+    clock.wrap(recipe.step, "grad_multiplier", "recipe_norm")
     stage12 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2")
     clock.wrap(stage12, "all_gather_dp_groups", "ds_allgather")
     return clock
@@ -131,9 +139,12 @@ def _exclusive_phases(t: dict[str, float], recipe_arm: bool) -> dict[str, float]
         out["backward"] = g("backward_all") - g("ds_hooks") - g("ds_reduce")
         named = sum(g(k) for k in ("ds_overflow", "ds_norm", "ds_clip", "optimizer", "ds_allgather"))
         out["ds_copy"] = g("engine_step") - named
+        # the recipe's all-reduce and norm run between backward and engine.step (recipe-managed routes)
         out["step_own"] = g("total") - g("engine_step") - (
-            g("data") + g("forward") + g("loss") + g("backward_all")
+            g("data") + g("forward") + g("loss") + g("backward_all") + g("recipe_reduce") + g("recipe_norm")
         )
+        out["ds_reduce"] += g("recipe_reduce")
+        out["ds_norm"] += g("recipe_norm")
     else:  # what the wrappers leave: the backward pass (and the logit-scale clamp, the loss read)
         out["optimizer"] = g("optimizer") + g("zero_grad")
         out["backward"] = g("total") - g("forward") - g("loss") - out["optimizer"] - g("ds_norm")
