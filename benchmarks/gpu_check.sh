@@ -34,6 +34,8 @@
 #                    references, NCCL all-gather/reduce-scatter, free memory vs recipe.plan (issue 18)
 #   hosttime   45 s  bench_optim --host: SRAdamW's host time per step, launches recorded (issue 27.1)
 #   routes     90 s  bench_train --routes: ViT-B-32 train step per DeepSpeed route / ZeRO-0 (issue 27.3)
+#   data      170 s  bench_data --train-step: ViT-B-32 batch 512 on loader batches (14 workers; decoded on the
+#                    CPU, and with --decode-device cuda) vs synthetic inputs, goal >= 0.9x (issue 27.5)
 #   numerics  240 s  numerics_routes.py: ViT-B-32 on synthetic batches, same seed and batches, three arms
 #                    (default SR route, all-SR, DeepSpeed standard bf16 with fp32 masters): loss curves
 #                    in one figure (numerics_routes.png) and their JSON
@@ -69,7 +71,7 @@ PY=${PYTHON:-python3}
 
 KILL_AFTER=2          # seconds between a step's SIGINT and its SIGKILL
 BUDGET_LIMIT_S=480    # what the default run must fit (8 minutes)
-ALL_STEPS=(optim loss train memory tests compile accum zero0 verify numerics hosttime routes)
+ALL_STEPS=(optim loss train memory tests compile accum zero0 verify numerics hosttime routes data)
 DEFAULT_STEPS=(optim loss train memory tests)
 ALWAYS_STEPS=(setup env goals pack)
 ARCHIVE=gpu_check_results.tar.gz
@@ -141,8 +143,10 @@ pack() {  # everything into the archive; under $OUT only RETURN_FILES and the ar
   local keep name
   keep=$(returned)
   echo "=== pack: $RES/$ARCHIVE ($(date -u +%H:%M:%S))" | tee -a "$log"
-  timeout --kill-after="$KILL_AFTER" 5 tar -czf "$RES/.$ARCHIVE.part" -C "$RES" --exclude "./$ARCHIVE" \
-    --exclude "./.$ARCHIVE.part" . && mv "$RES/.$ARCHIVE.part" "$RES/$ARCHIVE" || {
+  # the partial archive is written beside the folder, not in it: a file growing inside the folder tar
+  # reads makes it report "file changed as we read it" (exit 1) when the folder's ctime moves under it
+  timeout --kill-after="$KILL_AFTER" 5 tar -czf "$RES.$ARCHIVE.part" -C "$RES" --exclude "./$ARCHIVE" . \
+    && mv "$RES.$ARCHIVE.part" "$RES/$ARCHIVE" || { rm -f -- "$RES.$ARCHIVE.part"
     echo "gpu_check: packing failed: the files stay as they are" | tee -a "$log"; failed=$((failed + 1)); return 0; }
   if [ -n "${OUT:-}" ] && [ -z "${GPU_CHECK_RESULTS:-}" ]; then
     while IFS= read -r -d '' name; do
@@ -199,6 +203,9 @@ step train 80 bench_train.md "ViT-B-32 train step at batch 512 vs OpenCLIP (issu
 step routes 90 bench_train_routes.md "train step per DeepSpeed route / ZeRO-0, ViT-B-32 batch 512 (issue 27.3, opt-in)" \
   "$PY" benchmarks/bench_train.py --device cuda --ckpt off --loss-modes fused --steps 20 --warmup 3 \
   --routes zero0_bf16_sr zero2_bf16_halfmaster zero1_bf16_halfmaster --json "$RES/bench_train_routes.json"
+step data 170 bench_data.md "train step on loader batches (CPU / GPU decode) vs synthetic inputs (issue 27.5, opt-in)" \
+  "$PY" benchmarks/bench_data.py --train-step --device cuda --workers 14 --batch 512 --samples 16384 --steps 20 \
+  --warmup 30 --decode-device cpu cuda --json "$RES/bench_data.json"
 step memory 33 bench_memory.md "memory census, ViT-B-32" \
   "$PY" benchmarks/bench_memory.py --device cuda --world 1 --preset ViT-B-32 --batch 64 \
   --modes zero0_bf16_sr zero2_bf16_standard --json "$RES/bench_memory.json"

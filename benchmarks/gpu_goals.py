@@ -53,6 +53,7 @@ LOSS_DIM = 1024
 TRAIN_GOAL_SPS = 5300.0  # ViT-B-32, batch 512, samples/s on the default route (issue 27: >= 1.25x OpenCLIP's 4233)
 TRAIN_GOAL_GIB = 17.0  # peak memory of that run (issue 27)
 TRAIN_BATCH = 512
+DATA_GOAL_RATIO = 0.9  # the train step on the real loader's batches / on synthetic inputs (issue 27.5)
 
 
 @dataclass
@@ -235,8 +236,34 @@ def train_goals(folder: Path) -> list[Line]:
     return out
 
 
+def data_goals(folder: Path) -> list[Line]:
+    """The opt-in ``data`` step's goal (only when its bench_data.json is there): per decode device, the
+    train step on loader batches reaches DATA_GOAL_RATIO of its synthetic-input rate."""
+    path = folder / "bench_data.json"
+    if not path.exists():
+        return []
+    try:
+        res = _load_json(path)["train_step"]
+        arms, synthetic = res["arms"], res["arms"]["synthetic"]["samples_per_s"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return [_missing(f"train step on loader batches >= {DATA_GOAL_RATIO:g}x synthetic", f"bench_data.json: {err}")]
+    out = []
+    for name, arm in arms.items():
+        if name == "synthetic":
+            continue
+        goal = f"{res.get('preset')} batch {res.get('batch')}, {name} ({res.get('workers')} workers) >= " \
+               f"{DATA_GOAL_RATIO:g}x synthetic inputs"
+        if "ratio_to_synthetic" not in arm:
+            out.append(_missing(goal, str(arm.get("unavailable", "no figure"))))
+            continue
+        out.append(Line(_verdict(arm["ratio_to_synthetic"] >= DATA_GOAL_RATIO), goal,
+                        f"{arm['samples_per_s']:.0f} vs {synthetic:.0f} samples/s = {arm['ratio_to_synthetic']:.2f}x "
+                        f"(loader alone {arm.get('loader_only_samples_per_s')} samples/s)"))
+    return out
+
+
 def evaluate(folder: Path) -> list[Line]:
-    return [*optimizer_goal(folder), *loss_goals(folder), *train_goals(folder)]
+    return [*optimizer_goal(folder), *loss_goals(folder), *train_goals(folder), *data_goals(folder)]
 
 
 def goals_markdown(lines: list[Line], folder: Path) -> str:

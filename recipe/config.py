@@ -30,6 +30,7 @@ __all__ = [
     "TrainConfig",
     "LOSS_MODE_NAMES",
     "CONTRASTIVE_BATCH_NAMES",
+    "DECODE_DEVICES",
     "SCHEDULES",
     "add_field_flags",
     "build_parser",
@@ -48,6 +49,8 @@ SCHEDULES = ("cosine", "constant")
 LOSS_NAMES = ("clip", "siglip")
 #: Values of ``--contrastive-batch`` (:data:`recipe.passes.CONTRASTIVE_BATCHES`).
 CONTRASTIVE_BATCH_NAMES = ("global", "micro")
+#: Values of ``--decode-device`` (:func:`recipe.data.decode.build_train_pipeline`).
+DECODE_DEVICES = ("cpu", "cuda")
 
 
 _BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b), "le": ("<=", lambda v, b: v <= b),
@@ -196,6 +199,12 @@ class DataConfig:
     eval_workers: int = option(0, "DataLoader worker processes of the evaluation loader", ge=0)
     prefetch_factor: int = option(2, "batches prefetched per worker", ge=1)
     pin_memory: bool = option(False, "pin batches in page-locked memory (CUDA training)")
+    decode_device: str = option(
+        "cpu",
+        "where training images are decoded: cpu (the DataLoader workers decode, crop, resize and normalise) or "
+        "cuda (the workers read JPEG bytes and tokenise; the training process decodes them with nvJPEG and crops, "
+        "resizes, flips and normalises on its GPU)",
+    )
     shuffle_buffer: int = option(1000, "shuffle buffer of streamed (webdataset) training data", ge=1)
     num_samples: int | None = option(
         None, "samples in the webdataset training shards (counted from the tar headers when unset)", ge=1
@@ -306,6 +315,8 @@ class TrainConfig:
             raise ValueError(
                 f"--contrastive-batch must be one of {', '.join(CONTRASTIVE_BATCH_NAMES)}, got {self.contrastive_batch!r}"
             )
+        if self.data.decode_device not in DECODE_DEVICES:
+            raise ValueError(f"--decode-device must be cpu or cuda, got {self.data.decode_device!r}")
         if self.optim.schedule not in SCHEDULES:
             raise ValueError(f"--schedule must be cosine or constant, got {self.optim.schedule!r}")
         for section, cls in _sections().items():

@@ -69,18 +69,41 @@ error at start naming the thing: a missing path, no readable shard at all, an im
 images, a column whose type cannot hold what it should (numbers as captions or image paths), or a
 label column none of whose first values is a class index.
 
+Training images take a fast path (:mod:`~recipe.data.images`): the crop box is drawn from the
+JPEG header with timm's draws under the per-sample seed, large JPEGs are decoded at a reduced scale
+(draft mode, within a stated PSNR bound), the crop is resized as uint8 by torch's kernels and each
+sample is normalised once, straight into a shared-memory batch -- the same boxes, flips and
+normalisation as timm's transform, pixels within one level of 255 of it but for a few. Where that
+path cannot reproduce the transform (colour jitter) timm's runs. ``decode_device="cuda"``
+(``--decode-device cuda``, :mod:`~recipe.data.device_decode`) leaves the JPEG bytes to the training
+process, which decodes them with nvJPEG and crops, resizes, flips and normalises on its GPU (same
+crop boxes: one sampler serves both paths); ``pixel_values`` then arrive on that device. Evaluation
+keeps timm's transform.
+
 Modules: :mod:`~recipe.data.paths` (paths, format detection), :mod:`~recipe.data.formats`
 (map-style sources, image bytes), :mod:`~recipe.data.webdataset` (tar shards),
 :mod:`~recipe.data.classfolder` (class subfolders without captions), :mod:`~recipe.data.decode`
-(skip reasons, cleaning, decoding, transforms, collation), :mod:`~recipe.data.plans` (per-rank
-plans and cursors), :mod:`~recipe.data.producer` (the batch producer each worker runs),
+(skip reasons, cleaning, image pipelines, transforms, collation), :mod:`~recipe.data.images` (the
+training images' fast path: crop boxes, draft decoding, uint8 resize, normalisation),
+:mod:`~recipe.data.device_decode` (training images decoded on the GPU), :mod:`~recipe.data.plans`
+(per-rank plans and cursors), :mod:`~recipe.data.producer` (the batch producer each worker runs),
 :mod:`~recipe.data.loader` (:class:`ClipLoader`, factories). Zero-shot prompt files are
 :mod:`recipe.zeroshot`.
 """
 
 from recipe.config import DataConfig
 
-from .decode import REPEATED, SKIP_REASONS, Sample, SampleDecoder, build_transform, clean_caption, clean_label, collate
+from .decode import (
+    REPEATED,
+    SKIP_REASONS,
+    Sample,
+    SampleDecoder,
+    build_train_pipeline,
+    build_transform,
+    clean_caption,
+    clean_label,
+    collate,
+)
 from .formats import expand_braces, expand_paths
 from .loader import ClipLoader, build_eval_loader, build_train_loader, open_source, read_captions
 
@@ -93,6 +116,7 @@ __all__ = [
     "SampleDecoder",
     "build_eval_loader",
     "build_train_loader",
+    "build_train_pipeline",
     "build_transform",
     "clean_caption",
     "clean_label",

@@ -4,6 +4,14 @@
 names why it cannot be used (one of :data:`SKIP_REASONS`); :func:`collate` stacks decoded samples
 into a batch and tokenises the captions. Labelled evaluation data without captions
 (``with_captions=False``) makes batches of images and labels only.
+
+Images go through an image pipeline (:class:`ImagePipeline`): ``decode(bytes)`` per sample, in the
+worker, and ``collate(pixels)`` per batch. :class:`PILPipeline` applies a transform such as timm's
+(:func:`build_transform`) to the fully decoded PIL image (evaluation; training where the fast path
+cannot reproduce the transform); :func:`build_train_pipeline` picks the training loader's:
+:class:`recipe.data.images.TrainImagePipeline` (crop box first, uint8 pixels, draft decoding of
+large JPEGs) or, with ``decode_device="cuda"``, :class:`recipe.data.device_decode.DeviceTrainPipeline`
+(the workers keep the JPEG bytes; the training process decodes them on the GPU).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from recipe.config import DataConfig
+from recipe.config import DECODE_DEVICES, DataConfig
 
 from .formats import RawSample, read_image_bytes
 
@@ -60,6 +68,90 @@ def build_transform(image_data_config: Mapping[str, Any], train: bool, cfg: Data
         if cfg.train_ratio is not None:
             kwargs["ratio"] = tuple(cfg.train_ratio)
     return create_transform(**kwargs, is_training=train)
+
+
+class ImagePipeline:
+    """How a sample's image becomes batch entries: :meth:`decode` runs per sample (in a DataLoader
+    worker, right after the producer seeded the augmentation) and raises on a corrupt image;
+    :meth:`collate` turns the decoded values of a batch into its image entries (``pixel_values``).
+    A pipeline with a ``finish(batch) -> (batch, stats)`` method completes each batch in the
+    training process (:class:`recipe.data.loader.ClipLoader` calls it)."""
+
+    def decode(self, data: bytes) -> Any:
+        raise NotImplementedError
+
+    def collate(self, pixels: Sequence[Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+def stack_pixels(pixels: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack`` into a :func:`recipe.data.images.batch_buffer` (shared memory in a worker)."""
+    from .images import batch_buffer
+
+    return torch.stack(list(pixels), out=batch_buffer((len(pixels), *pixels[0].shape), pixels[0].dtype))
+
+
+class PILPipeline(ImagePipeline):
+    """``transform`` (e.g. timm's, :func:`build_transform`) of the fully decoded RGB PIL image; the
+    batch is the stack of its outputs."""
+
+    def __init__(self, transform: Callable):
+        self.transform = transform
+
+    def decode(self, data: bytes) -> torch.Tensor:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+            rgb = img.convert("RGB")
+        return self.transform(rgb)
+
+    def collate(self, pixels: Sequence[torch.Tensor]) -> dict[str, Any]:
+        return {"pixel_values": stack_pixels(pixels)}
+
+
+#: ``image_pipeline`` values of :func:`build_train_pipeline` (None: the default of ``decode_device``).
+TRAIN_PIPELINES = ("fast", "exact", "pil", "device")
+
+
+def build_train_pipeline(image_data_config: Mapping[str, Any], cfg: DataConfig | None = None,
+                         image_pipeline: str | None = None) -> ImagePipeline:
+    """The training loader's image pipeline.
+
+    ``image_pipeline``: None picks by ``cfg.decode_device``: ``cpu`` is ``fast``, ``cuda`` is
+    ``device``. ``fast``: :class:`recipe.data.images.TrainImagePipeline` with draft decoding of large
+    JPEGs; ``exact``: the same without draft; ``pil``: timm's transform on the fully decoded image
+    (what ``fast`` reproduces, see :mod:`recipe.data.images`); ``device``:
+    :class:`recipe.data.device_decode.DeviceTrainPipeline` finishing on ``cfg.decode_device``
+    (``cpu`` there decodes in the training process, a way to test the path without a GPU).
+    ``fast`` and ``exact`` fall back to ``pil`` where they cannot reproduce timm's transform
+    (colour jitter, random interpolation).
+
+    Raises:
+        ValueError: An unknown ``image_pipeline`` or ``decode_device``, the GPU path for a
+            transform it cannot reproduce, or ``decode_device="cuda"`` without a CUDA device or
+            without torchvision's JPEG decoder.
+    """
+    from .images import CropSpec, TrainImagePipeline
+
+    cfg = cfg or DataConfig()
+    device = cfg.decode_device
+    if device not in DECODE_DEVICES:
+        raise ValueError(f"--decode-device must be cpu or cuda, got {device!r}")
+    if image_pipeline is None:
+        image_pipeline = "device" if device == "cuda" else "fast"
+    if image_pipeline not in TRAIN_PIPELINES:
+        raise ValueError(f"image_pipeline must be one of {', '.join(TRAIN_PIPELINES)}, got {image_pipeline!r}")
+    spec = CropSpec.from_config(image_data_config, cfg) if image_pipeline != "pil" else None
+    if image_pipeline == "device":
+        if spec is None:
+            raise ValueError("--decode-device cuda does random resized crops, flips and normalisation only; it cannot "
+                             "apply --color-jitter or a random/other interpolation: use --decode-device cpu")
+        from .device_decode import DeviceTrainPipeline, check_device_decoding
+
+        check_device_decoding(device)
+        return DeviceTrainPipeline(spec, device)
+    if spec is None:
+        return PILPipeline(build_transform(image_data_config, True, cfg))
+    return TrainImagePipeline(spec, draft=image_pipeline == "fast")
 
 
 def clean_caption(value: Any) -> tuple[str | None, str | None]:
@@ -112,11 +204,12 @@ class SampleDecoder:
     """Turn a :class:`RawSample` into a :class:`Sample`, or name why it cannot be used.
 
     ``with_captions=False``: the source has no captions (labelled evaluation data); the caption of
-    a sample is not read and is None.
+    a sample is not read and is None. ``transform``: an :class:`ImagePipeline`, or a transform of
+    PIL images (wrapped in a :class:`PILPipeline`).
     """
 
-    def __init__(self, transform: Callable, with_labels: bool, with_captions: bool = True):
-        self.transform = transform
+    def __init__(self, transform: Callable | ImagePipeline, with_labels: bool, with_captions: bool = True):
+        self.pipeline = transform if isinstance(transform, ImagePipeline) else PILPipeline(transform)
         self.with_labels = with_labels
         self.with_captions = with_captions
 
@@ -148,26 +241,27 @@ class SampleDecoder:
         if data is None:
             return None, "missing_image", "no image in sample"
         try:
-            with Image.open(io.BytesIO(data)) as img:
-                img.load()
-                rgb = img.convert("RGB")
-            pixels = self.transform(rgb)
+            pixels = self.pipeline.decode(data)
         except Exception as exc:  # PIL raises many types for bad data; all mean a corrupt image
             return None, "corrupt_image", f"{where}: {type(exc).__name__}: {exc}"
         return Sample(raw.key, pixels, caption, label), None, ""
 
 
 def collate(
-    samples: Sequence[Sample], tokenize: Tokenize | None, with_labels: bool, with_captions: bool = True
+    samples: Sequence[Sample], tokenize: Tokenize | None, with_labels: bool, with_captions: bool = True,
+    pipeline: ImagePipeline | None = None,
 ) -> dict[str, Any]:
     """Stack decoded samples into a batch and tokenise the captions.
 
     Returns:
-        ``pixel_values`` (float ``[B, 3, H, W]``), ``keys`` (list of str); with captions
-        ``captions`` (list of str) and, when ``tokenize`` is given, ``input_ids``/``attention_mask``
-        (long ``[B, L]``); with labels ``labels`` (long ``[B]``).
+        ``pixel_values`` (float ``[B, 3, H, W]``; the image entries of ``pipeline.collate`` when a
+        pipeline is given), ``keys`` (list of str); with captions ``captions`` (list of str) and,
+        when ``tokenize`` is given, ``input_ids``/``attention_mask`` (long ``[B, L]``); with labels
+        ``labels`` (long ``[B]``).
     """
-    batch: dict[str, Any] = {"pixel_values": torch.stack([s.pixels for s in samples]), "keys": [s.key for s in samples]}
+    pixels = [s.pixels for s in samples]
+    images = pipeline.collate(pixels) if pipeline is not None else {"pixel_values": stack_pixels(pixels)}
+    batch: dict[str, Any] = {**images, "keys": [s.key for s in samples]}
     captions = [s.caption for s in samples]
     if with_captions:
         batch["captions"] = captions
@@ -190,11 +284,16 @@ def collate(
 __all__ = [
     "REPEATED",
     "SKIP_REASONS",
+    "TRAIN_PIPELINES",
+    "ImagePipeline",
+    "PILPipeline",
     "Sample",
     "SampleDecoder",
     "Tokenize",
+    "build_train_pipeline",
     "build_transform",
     "clean_caption",
     "clean_label",
     "collate",
+    "stack_pixels",
 ]

@@ -25,7 +25,16 @@ from recipe.config import DataConfig
 from recipe.preempt import forking_workers, protect_worker
 
 from .classfolder import has_metadata_file, open_class_folder
-from .decode import REPEATED, SKIP_REASONS, SampleDecoder, Tokenize, build_transform, clean_caption
+from .decode import (
+    REPEATED,
+    SKIP_REASONS,
+    PILPipeline,
+    SampleDecoder,
+    Tokenize,
+    build_train_pipeline,
+    build_transform,
+    clean_caption,
+)
 from .formats import MAP_FORMATS, MapSource, canonical_format, detect_format, expand_paths, open_map_source
 from .plans import Layout, MapPlan, Remainder, StreamPlan, remainder_after
 from .producer import _BatchProducer
@@ -400,6 +409,7 @@ class ClipLoader:
 
     def _run(self) -> Iterator[dict[str, Any]]:
         producer = self._producer
+        finish = getattr(producer.decoder.pipeline, "finish", None)
         target = producer.plan.batches_in(self._epoch)
         while True:
             producer.epoch = self._epoch
@@ -437,6 +447,9 @@ class ClipLoader:
                     self._emitted += 1
                     self._pass_emitted += 1
                     batch = item["batch"]
+                    if finish is not None:  # the GPU decode path: pixels made here, on the device
+                        batch, finish_stats = finish(batch)
+                        self._add_stats(finish_stats)
                     if self.train and self._emitted >= target:
                         it = None
                         self._finish_epoch()
@@ -468,7 +481,8 @@ class ClipLoader:
 
 
 def _build_loader(cfg: DataConfig, tokenize: Tokenize | None, image_data_config: Mapping[str, Any],
-                  layout: Layout, classes: Mapping[str, int] | None = None) -> ClipLoader:
+                  layout: Layout, classes: Mapping[str, int] | None = None,
+                  image_pipeline: str | None = None) -> ClipLoader:
     workers_field = "workers" if layout.train else "eval_workers"
     workers = getattr(cfg, workers_field)
     if workers < 0:
@@ -476,7 +490,11 @@ def _build_loader(cfg: DataConfig, tokenize: Tokenize | None, image_data_config:
     source = open_source(cfg, train=layout.train, classes=classes)
     with_labels = source.label_column is not None if isinstance(source, MapSource) else source.label_field is not None
     with_captions = not isinstance(source, MapSource) or source.caption_column is not None
-    decoder = SampleDecoder(build_transform(image_data_config, layout.train, cfg), with_labels, with_captions)
+    if layout.train:
+        pipeline = build_train_pipeline(image_data_config, cfg, image_pipeline)
+    else:
+        pipeline = PILPipeline(build_transform(image_data_config, False, cfg))
+    decoder = SampleDecoder(pipeline, with_labels, with_captions)
     if isinstance(source, MapSource):
         plan: MapPlan | StreamPlan = MapPlan(source, layout)
     else:
@@ -488,13 +506,21 @@ def _build_loader(cfg: DataConfig, tokenize: Tokenize | None, image_data_config:
 
 
 def build_train_loader(cfg: DataConfig, tokenize: Tokenize | None, image_data_config: Mapping[str, Any],
-                       batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0) -> ClipLoader:
+                       batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                       image_pipeline: str | None = None) -> ClipLoader:
     """Training loader over ``cfg.train_data``: this rank's shuffled share, random resized crops.
 
     Every rank yields ``len(loader)`` batches of exactly ``batch_size`` samples per epoch. Reads
     ``train_data``, ``split``, ``workers`` (capped by the batches, or by this rank's shard count
-    for webdataset), ``shuffle_buffer``, ``num_samples`` and the augmentation fields of ``cfg``;
-    never labels.
+    for webdataset), ``shuffle_buffer``, ``num_samples``, ``decode_device`` and the augmentation
+    fields of ``cfg``; never labels.
+
+    Images take :func:`recipe.data.decode.build_train_pipeline`'s path: by default
+    (``decode_device="cpu"``) the workers crop first and resize uint8 pixels
+    (:mod:`recipe.data.images`: timm's crop boxes and normalisation, torch's resampling, draft
+    decoding of JPEGs at least twice the output size after the crop); with ``decode_device="cuda"``
+    the workers read bytes and the batches' pixels are made on the GPU
+    (:mod:`recipe.data.device_decode`; ``pixel_values`` then live on that device).
 
     Args:
         cfg: Dataset and loading settings.
@@ -508,12 +534,16 @@ def build_train_loader(cfg: DataConfig, tokenize: Tokenize | None, image_data_co
         seed: Seed of the shuffling and augmentation (same on all ranks). A sample's augmentation
             depends only on ``seed``, the epoch, its key and which repeat of it this is in the epoch,
             never on batch size, rank, world size or worker count.
+        image_pipeline: None (``cfg.decode_device``'s), or one of
+            :data:`recipe.data.decode.TRAIN_PIPELINES` (``pil``: timm's transform on the fully
+            decoded image, the path before :mod:`recipe.data.images`; ``exact``: no draft decoding).
 
     Raises:
         FileNotFoundError: Missing data path.
         ValueError: Wrong column name, unknown format, or too little data for one batch per rank.
     """
-    return _build_loader(cfg, tokenize, image_data_config, Layout(True, batch_size, rank, world_size, seed))
+    return _build_loader(cfg, tokenize, image_data_config, Layout(True, batch_size, rank, world_size, seed),
+                         image_pipeline=image_pipeline)
 
 
 def build_eval_loader(cfg: DataConfig, tokenize: Tokenize | None, image_data_config: Mapping[str, Any],

@@ -132,7 +132,7 @@ class _BatchProducer(IterableDataset):
 
     def _item(self, w: int, i: int, pos: int, samples: list[Sample] | None, stats: Counter, end: bool = False) -> dict:
         dec = self.decoder
-        batch = collate(samples, self.tokenize, dec.with_labels, dec.with_captions) if samples else None
+        batch = collate(samples, self.tokenize, dec.with_labels, dec.with_captions, dec.pipeline) if samples else None
         return {"w": w, "i": i, "pos": pos, "batch": batch, "stats": dict(stats), "end": end}
 
     def _fill(self, w: int, i: int, cursor: Cursor, max_batches: int | None, stop_at_lap_end: bool) -> Iterator:

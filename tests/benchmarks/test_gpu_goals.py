@@ -131,3 +131,20 @@ def test_env_json_without_a_gpu(tmp_path: Path) -> None:
     env = json.loads((tmp_path / "env.json").read_text())
     assert env["git_commit"] == "abc123" and env["versions"]["torch"]
     assert {"date", "host", "versions"} <= set(env)
+
+
+@pytest.mark.parametrize("ratio, status", [(0.95, "PASS"), (0.85, "FAIL")])
+def test_data_goal_only_when_the_data_step_ran(tmp_path: Path, ratio: float, status: str) -> None:
+    """The opt-in data step's goal: one line per loader arm, judged on its ratio to synthetic inputs;
+    an arm that could not run is MISSING with its reason; no line when bench_data.json is absent."""
+    assert gpu_goals.data_goals(tmp_path) == []
+    res = {"train_step": {"preset": "ViT-B-32", "batch": 512, "workers": 14, "arms": {
+        "synthetic": {"samples_per_s": 5000.0},
+        "loader-cpu": {"samples_per_s": 5000.0 * ratio, "ratio_to_synthetic": ratio, "loader_only_samples_per_s": 7000},
+        "loader-cuda": {"unavailable": "no nvJPEG"},
+    }}}
+    (tmp_path / "bench_data.json").write_text(json.dumps(res))
+    lines = gpu_goals.data_goals(tmp_path)
+    assert [x.status for x in lines] == [status, "MISSING"], "\n".join(map(str, lines))
+    assert f"{ratio:.2f}x" in str(lines[0]) and "no nvJPEG" in str(lines[1])
+    assert lines[0] in gpu_goals.evaluate(tmp_path)
