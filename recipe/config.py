@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 __all__ = [
+    "ModelChoice",
+    "preset_option",
     "ModelConfig",
     "DataConfig",
     "OptimConfig",
@@ -122,13 +124,17 @@ def check_model_names(
         )
 
 
-@dataclass
-class ModelConfig:
-    """Model: a preset, or encoders by name (any timm image model, any transformers text model)."""
+def preset_option(default: str) -> Any:
+    """The ``preset`` field of a :class:`ModelChoice` with another default."""
+    return option(default, "model preset, one of {names}; the encoder flags override its towers", names=preset_names)
 
-    preset: str | None = option(
-        "tiny", "model preset, one of {names}; the encoder flags override its towers", names=preset_names
-    )
+
+@dataclass
+class ModelChoice:
+    """Which model: a preset, or encoders by name; the fields ``recipe.train``, ``recipe.plan`` and
+    ``recipe.verify`` share (each may give ``preset`` another default with :func:`preset_option`)."""
+
+    preset: str | None = preset_option("tiny")
     image_encoder: str | None = option(None, "timm image model name (replaces the preset's image tower)")
     text_encoder: str | None = option(
         None, "text tower: a built-in one ({names}), a config JSON or a local model directory", names=text_tower_names
@@ -139,6 +145,12 @@ class ModelConfig:
         ge=1,
     )
     embed_dim: int | None = option(None, "shared embedding width (default: the preset's)", ge=1)
+
+
+@dataclass
+class ModelConfig(ModelChoice):
+    """Model: a preset, or encoders by name (any timm image model, any transformers text model)."""
+
     image_weights: str | None = option(None, "local state-dict file for the image tower")
     init_from: str | None = option(
         None,

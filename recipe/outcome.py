@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 __all__ = ["KINDS", "Outcome", "LAUNCH_DIR_ENV", "announce", "record", "collected", "write_traceback",
-           "is_peer_lost", "summarise", "main"]
+           "is_peer_lost", "summarise", "main", "process_running", "start_ticks"]
 
 LAUNCH_DIR_ENV = "RECIPE_LAUNCH_DIR"
 
@@ -84,7 +84,7 @@ def _write(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def _start_ticks(pid: int) -> int | None:
+def start_ticks(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -93,13 +93,25 @@ def _start_ticks(pid: int) -> int | None:
         return None
 
 
-def _running(pid: int, ticks: int | None) -> bool:
-    """Whether ``pid`` is the same process and has not ended (a zombie has ended)."""
+def process_running(pid: int, ticks: int | None) -> bool:
+    """Whether ``pid`` is the process that started at ``ticks`` (:func:`start_ticks`; None: any) and
+    has not ended (a zombie has ended). Without ``/proc`` (not Linux) the kernel is asked whether the
+    pid exists, and a reused pid cannot be told apart."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):
+            return False  # Linux: no such process
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # someone else's process
+            return True
+        return True
+    except OSError:  # there but unreadable: count it as running (a lock stays held, a wait goes on)
+        return True
     return fields[0] != "Z" and (ticks is None or int(fields[19]) == ticks)
 
 
@@ -110,7 +122,7 @@ def announce(rank: int | None = None) -> None:
         return
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     pid = os.getpid()
-    _write(where / f"rank{rank}.pid", {"pid": pid, "start_ticks": _start_ticks(pid), "host": socket.gethostname()})
+    _write(where / f"rank{rank}.pid", {"pid": pid, "start_ticks": start_ticks(pid), "host": socket.gethostname()})
 
 
 def record(outcome: Outcome) -> None:
@@ -167,7 +179,7 @@ def wait_for_ranks(where: Path, expect: int = 0, grace: float = 10.0, poll: floa
     deadline = time.monotonic() + grace
     while True:
         ranks = _announced(where)
-        alive = [r for r, a in ranks.items() if _running(int(a["pid"]), a.get("start_ticks"))]
+        alive = [r for r, a in ranks.items() if process_running(int(a["pid"]), a.get("start_ticks"))]
         if not alive and (len(ranks) >= expect or time.monotonic() > deadline):
             return ranks
         time.sleep(poll)

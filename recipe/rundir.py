@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import atomic_write_bytes
+from .outcome import process_running, start_ticks
 
 __all__ = ["RunLockError", "RunDirError", "RunLock", "Claim", "claim_run_dir", "run_files", "prepare_run_dir",
            "git_revision", "LOCK_FILE", "RUN_FILES", "ERROR_LOG"]
@@ -54,26 +55,6 @@ class RunDirError(ValueError):
     """The run directory cannot take this start (it holds another run, or there is no run to resume)."""
 
 
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _alive(pid: int, ticks: int | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    now = _start_ticks(pid)
-    return ticks is None or now is None or now == ticks
-
-
 class RunLock:
     """The lock of one run directory, held by this process (rank 0) while the run is alive.
 
@@ -87,7 +68,7 @@ class RunLock:
 
     def _mine(self) -> dict[str, Any]:
         pid = os.getpid()
-        return {"host": socket.gethostname(), "pid": pid, "start_ticks": _start_ticks(pid),
+        return {"host": socket.gethostname(), "pid": pid, "start_ticks": start_ticks(pid),
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
     def acquire(self) -> None:
@@ -101,7 +82,8 @@ class RunLock:
                 if holder is None:  # vanished or unreadable (a half-written lock of a dead run): retry
                     self.path.unlink(missing_ok=True)
                     continue
-                if holder.get("host") != socket.gethostname() or _alive(int(holder["pid"]), holder.get("start_ticks")):
+                elsewhere = holder.get("host") != socket.gethostname()
+                if elsewhere or process_running(int(holder["pid"]), holder.get("start_ticks")):
                     raise RunLockError(
                         f"run directory {self.path.parent} is in use by pid {holder.get('pid')} on host "
                         f"{holder.get('host')} since {holder.get('started')} (lock file {self.path}); give another "

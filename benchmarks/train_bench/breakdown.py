@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import os
 import statistics
-import time
 from dataclasses import asdict
 from typing import Any, Callable
 
@@ -16,7 +15,8 @@ from _common import environment, make_inputs  # noqa: E402  (puts the repository
 from .openclip_arm import OpenClipRunner
 from .recipe_arm import RecipeRunner
 from .settings import BenchSettings, available_arms, resolve_settings, worker_spec
-from .worker import build_runner, sync, worker_env
+from .clock import PhaseClock
+from .worker import build_runner, worker_env
 
 __all__ = ["BREAKDOWN_ROWS", "run_breakdown"]
 
@@ -39,57 +39,11 @@ BREAKDOWN_ROWS = [
 ]
 
 
-class _PhaseClock:
-    """Inclusive wall time per phase of each step, from wrappers around the callables each phase runs
-    (the arms' own code runs unchanged; only timers are added around it). A wrapper counts only while
-    its clock is stepping: wrappers of module-level functions may stack when several arms share them.
-    On CUDA every timed call synchronises the device before and after (host syncs that exist only for
-    this diagnosis: without them a phase's time would be its kernel launches)."""
-
-    active: _PhaseClock | None = None
-
-    def __init__(self, device: torch.device) -> None:
-        self.now: dict[str, float] = {}
-        self.steps: list[dict[str, float]] = []
-        self.device = device
-
-    def wrap(self, owner: Any, attr: str, phase: str) -> None:
-        orig = getattr(owner, attr, None)
-        if orig is None:
-            return
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if _PhaseClock.active is not self:
-                return orig(*args, **kwargs)
-            sync(self.device)
-            t0 = time.perf_counter()
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                sync(self.device)
-                self.now[phase] = self.now.get(phase, 0.0) + time.perf_counter() - t0
-
-        setattr(owner, attr, timed)
-
-    def step(self, fn: Callable[[], Any]) -> None:
-        self.now = {}
-        _PhaseClock.active = self
-        try:
-            sync(self.device)
-            t0 = time.perf_counter()
-            fn()
-            sync(self.device)
-            self.now["total"] = time.perf_counter() - t0
-        finally:
-            _PhaseClock.active = None
-        self.steps.append(self.now)
-
-
-def _clock_recipe(runner: RecipeRunner) -> _PhaseClock:
+def _clock_recipe(runner: RecipeRunner) -> PhaseClock:
     import recipe.passes
     import recipe.step
 
-    clock, engine = _PhaseClock(runner.device), runner.arm.engine
+    clock, engine = PhaseClock(runner.device), runner.arm.engine
     zero = engine.optimizer
     clock.wrap(recipe.passes, "_inputs", "data")
     clock.wrap(engine, "forward", "forward")
@@ -117,8 +71,8 @@ def _clock_recipe(runner: RecipeRunner) -> _PhaseClock:
     return clock
 
 
-def _clock_baseline(runner: OpenClipRunner) -> _PhaseClock:
-    clock = _PhaseClock(runner.device)
+def _clock_baseline(runner: OpenClipRunner) -> PhaseClock:
+    clock = PhaseClock(runner.device)
     clock.wrap(runner.model, "forward", "forward")
     clock.wrap(runner, "loss_fn", "loss")
     clock.wrap(runner.opt, "step", "optimizer")
@@ -179,11 +133,11 @@ def run_breakdown(s: BenchSettings, rounds: int | None = None, log: Callable[[st
     for i in range(rounds or s.steps):
         for r, x, c in zip(runners, inputs, clocks):
             c.step(lambda r=r, x=x: r.step(x))
-        times = (f"{r.name} {c.steps[-1]['total'] * 1e3:.1f} ms" for r, c in zip(runners, clocks))
+        times = (f"{r.name} {c.inclusive[-1]['total'] * 1e3:.1f} ms" for r, c in zip(runners, clocks))
         log(f"  round {i + 1}: " + ", ".join(times))
     rows = {}
     for r, c, is_recipe in zip(runners, clocks, (True, False)):
-        per_step = [_exclusive_phases(t, is_recipe) for t in c.steps]
+        per_step = [_exclusive_phases(t, is_recipe) for t in c.inclusive]
         rows[r.name] = {k: statistics.median(p.get(k, 0.0) for p in per_step) for k, _ in BREAKDOWN_ROWS}
         rows[r.name]["samples_per_s"] = s.batch / rows[r.name]["total"]
         rows[r.name]["description"] = r.description

@@ -30,6 +30,7 @@ from _common import ROOT, environment, make_inputs  # noqa: E402  (puts the repo
 
 from .recipe_arm import RecipeRunner
 from .settings import BenchSettings, resolve_settings
+from .clock import PhaseClock
 from .worker import sync, worker_env
 
 __all__ = ["ROUTE_PHASES", "resolve_route", "run_routes", "routes_table"]
@@ -69,65 +70,7 @@ def resolve_route(name: str) -> str:
     raise ValueError(f"--routes: no DeepSpeed JSON {name!r} (a path, or a name in ds_configs/)")
 
 
-class _NestedClock:
-    """Exclusive wall time per phase of each step, from wrappers around the callables each phase
-    runs (the arm's own code runs unchanged). A wrapper counts only while its clock is stepping
-    (wrappers of shared callables stack when several arms wrap them); time spent in a nested wrapped
-    call counts in the inner phase only. On CUDA every timed call synchronises the device before and
-    after (host syncs that exist only for this diagnosis)."""
-
-    active: "_NestedClock | None" = None
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.steps: list[dict[str, float]] = []
-        self.calls: list[dict[str, int]] = []  # wrapped calls per phase, each step
-        self._now: dict[str, float] = {}
-        self._calls: dict[str, int] = {}
-        self._stack: list[list[Any]] = []  # [phase, time spent in nested wrapped calls]
-
-    def wrap(self, owner: Any, attr: str, phase: str) -> None:
-        orig = getattr(owner, attr, None)
-        if orig is None:
-            return
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if _NestedClock.active is not self:
-                return orig(*args, **kwargs)
-            sync(self.device)
-            t0 = time.perf_counter()
-            self._stack.append([phase, 0.0])
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                sync(self.device)
-                dt = time.perf_counter() - t0
-                _, inner = self._stack.pop()
-                self._now[phase] = self._now.get(phase, 0.0) + dt - inner
-                self._calls[phase] = self._calls.get(phase, 0) + 1
-                self._stack[-1][1] += dt
-
-        setattr(owner, attr, timed)
-
-    def step(self, fn: Callable[[], Any]) -> None:
-        self._now, self._calls = {}, {}
-        self._stack = [["step_own", 0.0]]
-        _NestedClock.active = self
-        try:
-            sync(self.device)
-            t0 = time.perf_counter()
-            fn()
-            sync(self.device)
-            total = time.perf_counter() - t0
-        finally:
-            _NestedClock.active = None
-        self._now["step_own"] = total - self._stack[0][1]
-        self._now["total"] = total
-        self.steps.append({k: self._now.get(k, 0.0) for k, _ in ROUTE_PHASES})
-        self.calls.append(dict(self._calls))
-
-
-def _clock(runner: RecipeRunner) -> _NestedClock:
+def _clock(runner: RecipeRunner) -> PhaseClock:
     """A clock around every phase of this arm's train step (see :data:`ROUTE_PHASES`)."""
     import deepspeed.comm
     import torch.distributed
@@ -136,7 +79,7 @@ def _clock(runner: RecipeRunner) -> _NestedClock:
     import recipe.step
     from optim import SRAdamW
 
-    clock, engine = _NestedClock(runner.device), runner.arm.engine
+    clock, engine = PhaseClock(runner.device), runner.arm.engine
     clock.wrap(recipe.passes, "_inputs", "data")
     clock.wrap(engine, "forward", "forward")
     clock.wrap(runner, "loss_fn", "loss")
@@ -212,7 +155,7 @@ def run_routes(s: BenchSettings, routes: list[str], phases: bool = False,
             base = _memory(device)
             if clocks:
                 clocks[j].step(lambda r=r: r.step(inputs))
-                times[j].append(clocks[j].steps[-1]["total"])
+                times[j].append(clocks[j].exclusive[-1]["total"])
             else:
                 sync(device)
                 t0 = time.perf_counter()
@@ -247,7 +190,7 @@ def run_routes(s: BenchSettings, routes: list[str], phases: bool = False,
             row["step_transient_bytes"] = max(transient[j])
             row["peak_bytes"] = persistent[j] + max(transient[j])
         if clocks:
-            per_step = clocks[j].steps
+            per_step = [{k: t.get(k, 0.0) for k, _ in ROUTE_PHASES} for t in clocks[j].exclusive]
             row["phases"] = {key: statistics.median(st[key] for st in per_step) for key, _ in ROUTE_PHASES}
             row["phase_steps"] = per_step
             row["phase_calls"] = clocks[j].calls[-1]  # wrapped calls per phase in the last step

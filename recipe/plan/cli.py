@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from recipe.config import (
     CONTRASTIVE_BATCH_NAMES,
     LOSS_MODE_NAMES,
+    ModelChoice,
     add_field_flags,
     check_field_bounds,
     option,
-    preset_names,
-    text_tower_names,
+    preset_option,
 )
 
 from .search import MemoryPrediction, Plan, PlanError, format_bytes, plan
@@ -32,16 +32,10 @@ __all__ = ["PlanConfig", "build_parser", "explain_peak", "main", "render"]
 
 
 @dataclass
-class PlanConfig:
+class PlanConfig(ModelChoice):
     """What to plan: the model, the cluster, the global batch; what the planner may choose from."""
 
-    preset: str | None = option("ViT-B-32", "model preset, one of {names}; the encoder flags override its towers",
-                                names=preset_names)
-    image_encoder: str | None = option(None, "timm image model name (replaces the preset's image tower)")
-    text_encoder: str | None = option(
-        None, "text tower: a built-in one ({names}), a config JSON or a local model directory", names=text_tower_names)
-    embed_dim: int | None = option(None, "shared embedding width (default: the preset's)", ge=1)
-    image_size: int | None = option(None, "image side in pixels (default: the model's)", ge=1)
+    preset: str | None = preset_option("ViT-B-32")
     vocab_size: int | None = option(
         None, "most tokens of the tokenizer the run trains (recipe.train's --vocab-size, and its default); the "
               "plan counts the tokens it really gets on --train-data's captions, else plans with this upper bound",

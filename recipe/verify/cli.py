@@ -28,9 +28,8 @@ from recipe.config import (
     add_field_flags,
     check_field_bounds,
     check_model_names,
+    ModelChoice,
     option,
-    preset_names,
-    text_tower_names,
 )
 
 from .common import CHECKS, Row, Run, worst
@@ -45,16 +44,9 @@ class VerifyError(ValueError):
 
 
 @dataclass
-class VerifyConfig:
+class VerifyConfig(ModelChoice):
     """The run to check (as recipe.train and recipe.plan take it) and how to check it."""
 
-    preset: str | None = option("tiny", "model preset, one of {names}; the encoder flags override its towers",
-                                names=preset_names)
-    image_encoder: str | None = option(None, "timm image model name (replaces the preset's image tower)")
-    text_encoder: str | None = option(
-        None, "text tower: a built-in one ({names}), a config JSON or a local model directory", names=text_tower_names)
-    embed_dim: int | None = option(None, "shared embedding width (default: the preset's)", ge=1)
-    image_size: int | None = option(None, "image side in pixels (default: the model's)", ge=1)
     vocab_size: int | None = option(None, "vocabulary of a tokenizer the run trains (unset: the text tower's own)",
                                     ge=1)
     context_length: int | None = option(None, "token context length (default: the text tower's)", ge=1)
