@@ -219,27 +219,6 @@ def timed_pass(fn: LossFn, inputs, device: torch.device) -> tuple[float, float]:
     return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
 
 
-def measure(
-    fn: LossFn,
-    inputs,
-    device: torch.device,
-    warmup: int,
-    repeats: int,
-    cpu_rss: CpuPeakRss,
-    time_budget_s: float = float("inf"),
-):
-    """Returns ``(median wall ms, median process CPU ms, peak extra MiB or None, loss, passes)``.
-
-    The timed passes are at most ``repeats`` and at most what fits in ``time_budget_s`` at the
-    speed of the last warm-up pass (at least one).
-    """
-    peak, loss, pass_s = warm_and_peak(fn, inputs, device, warmup, cpu_rss)
-    if pass_s is not None:
-        repeats = max(1, min(repeats, int(time_budget_s / max(pass_s, 1e-9))))
-    times, cpu_times = zip(*(timed_pass(fn, inputs, device) for _ in range(repeats)))
-    return statistics.median(times), statistics.median(cpu_times), peak, loss, repeats
-
-
 def measure_interleaved(
     fns: dict[str, LossFn],
     inputs,
@@ -249,9 +228,11 @@ def measure_interleaved(
     cpu_rss: CpuPeakRss,
     time_budget_s: float = float("inf"),
 ) -> dict[str, tuple]:
-    """:func:`measure` for several implementations whose timed passes alternate (one pass of each per
-    round), so that a load change on a shared machine hits all of them alike. The number of rounds is
-    cut so that they fit in ``time_budget_s`` times the number of implementations.
+    """Times the implementations ``fns`` with their timed passes alternating (one pass of each per
+    round), so that a load change on a shared machine hits all of them alike; one implementation
+    alone is timed the same way. The timed passes are at most ``repeats`` and at most what fits in
+    ``time_budget_s`` times the number of implementations at the speed of their last warm-up passes
+    (at least one).
 
     Returns name -> ``(median wall ms, median CPU ms, peak MiB or None, loss, passes)`` or the
     exception an implementation raised in its warm-up.
@@ -400,7 +381,8 @@ def _table(args, device, dtype, batches, dims, chunks, repeats, max_pass_s, name
             for impl, fn in runnable.items():
                 if not interleave:
                     try:
-                        results[impl] = measure(fn, inputs, device, args.warmup, repeats, cpu_rss, args.time_budget_s)
+                        results[impl] = measure_interleaved({impl: fn}, inputs, device, args.warmup, repeats, cpu_rss,
+                                                           args.time_budget_s)[impl]
                     except (RuntimeError, MemoryError) as err:
                         results[impl] = err
                     finally:

@@ -113,9 +113,22 @@ class LossResult(NamedTuple):
 
 
 class ShardedLoss(nn.Module):
-    """What :class:`ClipLoss` and ``SigLipLoss`` share: the mode (a key of the subclass's ``MODES``),
-    the chunk size, the process group, input validation and the cache of exchanged sizes (their
-    arguments are documented on the subclasses)."""
+    """What :class:`ClipLoss` and ``SigLipLoss`` share: the mode (a key of the subclass's ``MODES``,
+    documented there with ``chunk_size``), the process group, input validation and the cache of
+    exchanged sizes.
+
+    Args:
+        group: Process group; ``None`` for the default group (or no torch.distributed at all).
+        validate: Check that inputs are finite. The first call (and a call with a new local batch
+            shape) reads the check on the host and raises ``ValueError`` on every rank; later calls
+            check on the device without a host synchronisation (``torch._assert_async``: a
+            ``RuntimeError`` at once on the CPU, a device-side assertion on CUDA), see
+            :mod:`recipe.loss.inputs`.
+        cache_sizes: Keep the exchanged sizes between calls (no host synchronisation in a steady
+            step; a local batch size may then change only in a call where every rank's does).
+            ``False`` reads the exchanged sizes on the host every call (one synchronisation per
+            call), for ranks whose batch sizes vary independently and are not known to the caller.
+    """
 
     MODES: dict = {}
 
@@ -156,16 +169,7 @@ class ClipLoss(ShardedLoss):
         mode: A key of :data:`LOSS_MODES` (``"plain"``, ``"chunked"`` or ``"fused"``: Triton kernels
             on CUDA tensors, see :mod:`recipe.loss.fused`).
         chunk_size: Tile edge of the chunked mode; caps the tile edge of the fused mode.
-        group: Process group; ``None`` for the default group (or no torch.distributed at all).
-        validate: Check that inputs are finite. The first call (and a call with a new local batch
-            shape) reads the check on the host and raises ``ValueError`` on every rank; later calls
-            check on the device without a host synchronisation (``torch._assert_async``: a
-            ``RuntimeError`` at once on the CPU, a device-side assertion on CUDA), see
-            :mod:`recipe.loss.inputs`.
-        cache_sizes: Keep the exchanged sizes between calls (no host synchronisation in a steady
-            step; a local batch size may then change only in a call where every rank's does).
-            ``False`` reads the exchanged sizes on the host every call (one synchronisation per
-            call), for ranks whose batch sizes vary independently and are not known to the caller.
+        group, validate, cache_sizes: As :class:`ShardedLoss`.
     """
 
     MODES = LOSS_MODES

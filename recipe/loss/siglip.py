@@ -250,16 +250,7 @@ class SigLipLoss(ShardedLoss):
     Args:
         mode: A key of :data:`SIGLIP_MODES`: ``"plain"`` or ``"chunked"``.
         chunk_size: Tile edge of the chunked mode.
-        group: Process group; ``None`` for the default group (or no torch.distributed at all).
-        validate: Check that inputs are finite. The first call (and a call with a new local batch
-            shape) reads the check on the host and raises ``ValueError`` on every rank; later calls
-            check on the device without a host synchronisation (``torch._assert_async``: a
-            ``RuntimeError`` at once on the CPU, a device-side assertion on CUDA), see
-            :mod:`recipe.loss.inputs`.
-        cache_sizes: Keep the exchanged sizes between calls (no host synchronisation in a steady
-            step; a local batch size may then change only in a call where every rank's does).
-            ``False`` reads the exchanged sizes on the host every call (one synchronisation per
-            call), for ranks whose batch sizes vary independently and are not known to the caller.
+        group, validate, cache_sizes: As :class:`~recipe.loss.clip.ShardedLoss`.
     """
 
     MODES = SIGLIP_MODES
