@@ -1,4 +1,4 @@
-"""Shared by the loss tests: the float64 full-batch CLIP loss reference and an allocation probe."""
+"""Shared by the loss tests: the float64 full-batch CLIP and SigLIP loss references and allocation probes."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-def clip_reference(image: torch.Tensor, text: torch.Tensor, scale: float, bias: float | None) -> dict:
-    """Single-process float64 full-batch CLIP loss, its gradients and both accuracies."""
+def _full_batch_reference(image, text, scale, bias, loss_of_logits) -> dict:
+    """``loss_of_logits(logits)`` in float64 on the full batch, its gradients and both accuracies."""
     image = image.double().requires_grad_()
     text = text.double().requires_grad_()
     s = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
     b = torch.tensor(0.0 if bias is None else bias, dtype=torch.float64, requires_grad=True)
     logits = s * image @ text.T + b
-    targets = torch.arange(image.shape[0])
-    loss = (F.cross_entropy(logits, targets) + F.cross_entropy(logits.T, targets)) / 2
+    loss = loss_of_logits(logits)
     loss.backward()
+    targets = torch.arange(image.shape[0])
     return {
         "loss": loss.detach(),
         "grad_image": image.grad,
@@ -29,6 +29,28 @@ def clip_reference(image: torch.Tensor, text: torch.Tensor, scale: float, bias: 
         "acc_i2t": (logits.argmax(1) == targets).double().mean(),
         "acc_t2i": (logits.T.argmax(1) == targets).double().mean(),
     }
+
+
+def _clip_loss(logits: torch.Tensor) -> torch.Tensor:
+    targets = torch.arange(logits.shape[0])
+    return (F.cross_entropy(logits, targets) + F.cross_entropy(logits.T, targets)) / 2
+
+
+def _siglip_loss(logits: torch.Tensor) -> torch.Tensor:
+    n = logits.shape[0]
+    z = 2 * torch.eye(n, dtype=torch.float64) - 1
+    return -F.logsigmoid(z * logits).sum() / n  # log(sigmoid(30)) would lose 1e-3 of it even in float64
+
+
+def clip_reference(image: torch.Tensor, text: torch.Tensor, scale: float, bias: float | None) -> dict:
+    """Single-process float64 full-batch CLIP loss, its gradients and both accuracies."""
+    return _full_batch_reference(image, text, scale, bias, _clip_loss)
+
+
+def siglip_reference(image: torch.Tensor, text: torch.Tensor, scale: float, bias: float | None) -> dict:
+    """SigLIP's definition ``L = -(1/B) sum_ij log sigmoid(z_ij (s x_i.y_j + b))`` in float64 on the
+    full batch: loss, its gradients and both accuracies."""
+    return _full_batch_reference(image, text, scale, bias, _siglip_loss)
 
 
 def assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:

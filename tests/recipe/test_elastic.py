@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -333,28 +334,41 @@ ZERO0_LOSS_RTOL = 5e-3
 ZERO0_FIRST_STEP_RTOL = 1e-6  # the first step after a resume: the same weights, only the loss reduction differs
 
 
+def _assert_zero0_chain(
+    a: list, b: list, c: list, tmp_path: Path, what: str, dtype: torch.dtype, loss_scaler: bool,
+    kinds_ok: Callable[[set[str]], bool],
+) -> None:
+    """The ZeRO-0 checks of a :func:`_chain` (2 -> 1 -> 2 ranks): the replicas are identical; the saved
+    SRAdamW state holds the kinds ``kinds_ok`` accepts and ``dtype`` statistics, and a loss scaler
+    exactly when ``loss_scaler``; the restored state is bit for bit the saved one on every rank; each
+    epoch's samples once; the loss within ZERO0_FIRST_STEP_RTOL / ZERO0_LOSS_RTOL (``what`` names it)."""
+    assert not _bit_differences(a[0]["saved"][3], a[1]["saved"][3])
+    saved = a[0]["saved"][3]
+    state = saved["optimizer"]["state"]
+    kinds = {k for st in state.values() for k in st}
+    assert kinds_ok(kinds), kinds
+    assert any(t.dtype == dtype for st in state.values() for t in st.values() if torch.is_tensor(t) and t.dim())
+    assert (saved["loss_scaler"] is not None) == loss_scaler
+    assert not _bit_differences(saved, b[0]["restored"])
+    assert not _bit_differences(b[0]["saved"][6], c[0]["restored"]) and not _bit_differences(b[0]["saved"][6], c[1]["restored"])
+
+    _assert_each_sample_once(a, b, c)
+    diffs = _loss_diffs(tmp_path, what)
+    assert diffs[4] <= ZERO0_FIRST_STEP_RTOL and diffs[7] <= ZERO0_LOSS_RTOL, diffs
+    assert max(diffs.values()) <= ZERO0_LOSS_RTOL, diffs
+
+
 def test_zero0_fp16_two_to_one_to_two_ranks(data: Path, tmp_path: Path) -> None:
     """ZeRO-0 keeps the full replica on every rank and SRAdamW draws the noise of rank 0 on all of
     them, so the saved state is the whole state: after 2 -> 1 and 1 -> 2 ranks SRAdamW's state dict
     (fp16 statistics with their bounds, the image tower's fp32 master, per-tensor steps and noise
     indices, seed, skipped steps), the module and the loss scaler are bit for bit the saved ones."""
     a, b, c = _chain("zero0_fp16_sr_lossscale.json", data, tmp_path)
-
-    # the replicas are identical, and the restored state is bit for bit the saved one on every rank
-    assert not _bit_differences(a[0]["saved"][3], a[1]["saved"][3])
-    saved = a[0]["saved"][3]
-    state = saved["optimizer"]["state"]
-    kinds = {k for st in state.values() for k in st}
-    assert {"exp_avg", "exp_avg_sq", "master", "step", "index"} <= kinds and any(k.endswith("_bound") for k in kinds), kinds
-    assert any(t.dtype == torch.float16 for st in state.values() for t in st.values() if torch.is_tensor(t) and t.dim())
-    assert saved["loss_scaler"] is not None
-    assert not _bit_differences(saved, b[0]["restored"])
-    assert not _bit_differences(b[0]["saved"][6], c[0]["restored"]) and not _bit_differences(b[0]["saved"][6], c[1]["restored"])
-
-    _assert_each_sample_once(a, b, c)
-    diffs = _loss_diffs(tmp_path, "zero0 fp16")
-    assert diffs[4] <= ZERO0_FIRST_STEP_RTOL and diffs[7] <= ZERO0_LOSS_RTOL, diffs
-    assert max(diffs.values()) <= ZERO0_LOSS_RTOL, diffs
+    _assert_zero0_chain(
+        a, b, c, tmp_path, "zero0 fp16", torch.float16, loss_scaler=True,
+        kinds_ok=lambda kinds: {"exp_avg", "exp_avg_sq", "master", "step", "index"} <= kinds
+        and any(k.endswith("_bound") for k in kinds),
+    )
 
 
 def test_zero0_bf16_two_to_one_to_two_ranks(data: Path, tmp_path: Path) -> None:
@@ -363,21 +377,11 @@ def test_zero0_bf16_two_to_one_to_two_ranks(data: Path, tmp_path: Path) -> None:
     dict (bf16 statistics, the image tower's exact master as bf16 weight + int16 low half, per-tensor steps
     and noise indices, seed, skipped steps) and the module are bit for bit the saved ones on every rank."""
     a, b, c = _chain("zero0_bf16_sr.json", data, tmp_path)
-
-    assert not _bit_differences(a[0]["saved"][3], a[1]["saved"][3])  # the bf16 all-reduce keeps the replicas equal
-    saved = a[0]["saved"][3]
-    state = saved["optimizer"]["state"]
-    kinds = {k for st in state.values() for k in st}
-    assert {"exp_avg", "exp_avg_sq", "step", "index"} <= kinds and kinds & {"master", "master_low"}, kinds
-    assert any(t.dtype == torch.bfloat16 for st in state.values() for t in st.values() if torch.is_tensor(t) and t.dim())
-    assert saved["loss_scaler"] is None
-    assert not _bit_differences(saved, b[0]["restored"])
-    assert not _bit_differences(b[0]["saved"][6], c[0]["restored"]) and not _bit_differences(b[0]["saved"][6], c[1]["restored"])
-
-    _assert_each_sample_once(a, b, c)
-    diffs = _loss_diffs(tmp_path, "zero0 bf16")
-    assert diffs[4] <= ZERO0_FIRST_STEP_RTOL and diffs[7] <= ZERO0_LOSS_RTOL, diffs
-    assert max(diffs.values()) <= ZERO0_LOSS_RTOL, diffs
+    _assert_zero0_chain(  # the bf16 all-reduce keeps the replicas equal
+        a, b, c, tmp_path, "zero0 bf16", torch.bfloat16, loss_scaler=False,
+        kinds_ok=lambda kinds: {"exp_avg", "exp_avg_sq", "step", "index"} <= kinds
+        and bool(kinds & {"master", "master_low"}),
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,14 +24,20 @@ from recipe.config import DataConfig  # noqa: E402
 
 datasets.disable_progress_bars()
 
-IMAGE_CFG = {
-    "input_size": (3, 16, 16),
-    "interpolation": "bilinear",
-    "mean": (0.5, 0.5, 0.5),
-    "std": (0.25, 0.25, 0.25),
-    "crop_pct": 0.875,
-    "crop_mode": "center",
-}
+
+def image_data_config(size: int, interpolation: str, mean: tuple, std: tuple, crop_pct: float) -> dict:
+    """A timm data config (as ``resolve_data_config`` gives it): square RGB ``size`` input, center crop."""
+    return {
+        "input_size": (3, size, size),
+        "interpolation": interpolation,
+        "mean": mean,
+        "std": std,
+        "crop_pct": crop_pct,
+        "crop_mode": "center",
+    }
+
+
+IMAGE_CFG = image_data_config(16, "bilinear", mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), crop_pct=0.875)
 N_TRAIN, N_VAL, SHARD = 24, 10, 4
 
 
@@ -102,6 +108,15 @@ def png_bytes(seed: int, size: int = 20) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
     return buf.getvalue()
+
+
+def write_pngs(d, n: int, prefix: str = "") -> list[str]:
+    """Folder ``d`` (made here) of ``n`` images ``<prefix><i>.png`` (:func:`png_bytes` of seed i); their names."""
+    d.mkdir()
+    names = [f"{prefix}{i}.png" for i in range(n)]
+    for i, name in enumerate(names):
+        (d / name).write_bytes(png_bytes(i))
+    return names
 
 
 def write_tar(path, samples):

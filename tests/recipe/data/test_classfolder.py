@@ -12,7 +12,7 @@ import torch
 from recipe.data import build_eval_loader, build_train_loader
 from recipe.data.formats import detect_format
 
-from .helpers import IMAGE_CFG, cfg_for, collect, png_bytes, reference_pixels, tokenize
+from .helpers import IMAGE_CFG, cfg_for, collect, png_bytes, reference_pixels, tokenize, write_pngs
 
 FOLDERS = {"n01440764": 3, "n01443537": 2, "n15075141": 4}  # folder -> images
 
@@ -88,11 +88,7 @@ def test_a_folder_of_split_folders_reads_its_val_split(tmp_path):
 
 def test_a_table_without_captions_is_labelled_evaluation_data(tmp_path):
     d = tmp_path / "table"
-    d.mkdir()
-    rows = []
-    for i in range(5):
-        (d / f"{i}.png").write_bytes(png_bytes(i))
-        rows.append({"filepath": f"{i}.png", "label": i % 2})
+    rows = [{"filepath": name, "label": i % 2} for i, name in enumerate(write_pngs(d, 5))]
     with open(d / "val.csv", "w", newline="") as f:
         w = csv.DictWriter(f, ["filepath", "label"])
         w.writeheader()

@@ -17,12 +17,12 @@ from .helpers import (
     N_TRAIN,
     cfg_for,
     collect,
-    png_bytes,
     read_split_rows,
     reference_pixels,
     reference_set,
     sample_set,
     tokenize,
+    write_pngs,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -200,11 +200,7 @@ def _typed_csv(d, name, **columns) -> str:
 def test_columns_of_the_wrong_type_are_clear_errors(tmp_path):
     """A column that cannot hold what it should is an error at start naming it, not a skip per sample."""
     d = tmp_path / "types"
-    d.mkdir()
-    files = []
-    for i in range(4):
-        (d / f"i{i}.png").write_bytes(png_bytes(i))
-        files.append(f"i{i}.png")
+    files = write_pngs(d, 4, prefix="i")
     numbers = _typed_csv(d, "numbers.csv", filepath=files, title=[1, 2, 3, 4])
     for build in (build_train_loader, build_eval_loader):
         with pytest.raises(ValueError, match=r"caption column 'title' of csv data at .*numbers\.csv holds int64"):

@@ -33,16 +33,15 @@ from recipe.data.images import (
     sample_crop,
 )
 
-from .helpers import cfg_for, collect, png_bytes, tokenize, write_tar
+from .helpers import cfg_for, collect, image_data_config, png_bytes, tokenize, write_tar
 
-CLIP_CFG = {  # the ViT-B-32 preset's data config
-    "input_size": (3, 224, 224),
-    "interpolation": "bicubic",
-    "mean": (0.48145466, 0.4578275, 0.40821073),
-    "std": (0.26862954, 0.26130258, 0.27577711),
-    "crop_pct": 1.0,
-    "crop_mode": "center",
-}
+CLIP_CFG = image_data_config(  # the ViT-B-32 preset's data config
+    224,
+    "bicubic",
+    mean=(0.48145466, 0.4578275, 0.40821073),
+    std=(0.26862954, 0.26130258, 0.27577711),
+    crop_pct=1.0,
+)
 
 
 def natural_jpeg(seed: int, short: int, aspect: float = 1.2, quality: int = 90) -> bytes:

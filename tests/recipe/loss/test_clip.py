@@ -21,12 +21,8 @@ The reference uses the same dtype-rounded inputs, so the tolerances measure the 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
-import os
-import zlib
-from types import ModuleType
 
 import pytest
 import torch
@@ -41,8 +37,11 @@ from recipe.loss import (
     symmetric_chunked_cross_entropy,
 )
 
-from ...clip_reference import LargestTensor, assert_grad_close, clip_reference
+from ...clip_reference import assert_grad_close, clip_reference
 from ...dist_utils import run_distributed
+from .harness import TOLERANCES, UNEVEN_ROWS, WORLD_SIZES, Case
+from .harness import assert_matches_open_clip, assert_matches_reference, check_cases, check_errors
+from .harness import check_input_errors, check_known_sizes, error_checks, inputs, largest_tensors, run_cases
 
 
 def _cpu_modes() -> list[str]:
@@ -61,33 +60,6 @@ def _cpu_modes() -> list[str]:
 
 CPU_MODES = _cpu_modes()
 
-DIM = 16
-WORLD_SIZES = (1, 2, 4)
-EQUAL_ROWS = 7  # per rank; the chunk sizes below do not divide it nor the gathered batch
-UNEVEN_ROWS = (5, 9, 3, 8)
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One configuration checked on every world size."""
-
-    mode: str
-    dtype: str
-    chunk: int = 4096
-    scale: float = 14.3
-    bias: float | None = None
-    uneven: bool = False
-
-    @property
-    def name(self) -> str:
-        parts = [self.mode, self.dtype, f"c{self.chunk}" if self.mode == "chunked" else "", f"s{self.scale:g}"]
-        parts += ["bias" if self.bias is not None else "", "uneven" if self.uneven else ""]
-        return "-".join(p for p in parts if p)
-
-    def sizes(self, world: int) -> list[int]:
-        return list(UNEVEN_ROWS[:world]) if self.uneven else [EQUAL_ROWS] * world
-
-
 CASES = (
     Case("plain", "float32"),
     Case("chunked", "float32", chunk=5),
@@ -101,80 +73,18 @@ CASES = (
     Case("chunked", "float32", chunk=4, uneven=True),
     Case("chunked", "bfloat16", chunk=4, bias=-2.5, uneven=True),
 )
-TOLERANCES = {  # dtype: (loss rtol, feature-grad tol relative to max |ref|, scale-grad rtol)
-    "float32": (1e-5, 2e-5, 1e-4),
-    "bfloat16": (1e-5, 1.5e-2, 1e-4),
-    "float16": (1e-5, 3e-3, 1e-4),
-}
+BIAS_TOL = (0, 1e-6)  # (rtol, atol): softmax CE is shift invariant, the reference bias gradient is ~0
 
 
-def _cases_for(world: int) -> list[Case]:
-    return [c for c in CASES if not (c.uneven and world == 1)]
+def _reference(case: Case, world: int) -> dict:
+    image, text = inputs(case, world)
+    return clip_reference(image, text, float(torch.tensor(case.scale)), case.bias)
 
 
-def _inputs(case: Case, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full-batch features, rounded to the case dtype (same on every process)."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{case.name}/{world}".encode()))
-    total = sum(case.sizes(world))
-    image = F.normalize(torch.randn(total, DIM, generator=gen, dtype=torch.float64), dim=1)
-    text = F.normalize(image + 0.5 * torch.randn(total, DIM, generator=gen, dtype=torch.float64), dim=1)
-    dtype = getattr(torch, case.dtype)
-    return image.to(dtype), text.to(dtype)
-
-
-def _open_clip_loss_module() -> ModuleType | None:
-    """open_clip's ``loss.py`` loaded on its own, or None when open_clip_torch is not installed.
-
-    The module only imports torch; loading it by path skips the package ``__init__`` (timm, models,
-    tokenizers: seconds per spawned rank) while running the installed open_clip code unchanged.
-    """
-    spec = importlib.util.find_spec("open_clip")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "loss.py")
-    loss_spec = importlib.util.spec_from_file_location("_open_clip_loss_under_test", path)
-    module = importlib.util.module_from_spec(loss_spec)
-    loss_spec.loader.exec_module(module)
-    return module
-
-
-
-def _dp_mean(t: torch.Tensor) -> torch.Tensor:
-    """Data-parallel mean over ranks, as DeepSpeed/DDP average gradients (computed in float64)."""
-    t = t.detach().double().clone()
-    dist.all_reduce(t)
-    return t / dist.get_world_size()
-
-
-def _run_case(loss_fn, case: Case, rank: int, world: int, known_sizes: bool = False) -> dict:
-    image_full, text_full = (t.clone().requires_grad_() for t in _inputs(case, world))
-    sizes = case.sizes(world)
-    lo = sum(sizes[:rank])
-    rows = slice(lo, lo + sizes[rank])
-    scale = torch.tensor(case.scale, requires_grad=True)
-    bias = None if case.bias is None else torch.tensor(case.bias, requires_grad=True)
-    kwargs = {"sizes": sizes} if known_sizes else {}
-    out = loss_fn(image_full[rows], text_full[rows], scale, bias, **kwargs)
-    metrics = None
-    if isinstance(loss_fn, ClipLoss):
-        out, metrics = out
-    elif isinstance(out, dict):  # open_clip with output_dict
-        out = out["contrastive_loss"]
-    out.backward()
-    result = {
-        "loss": _dp_mean(out),
-        "loss_dtype": out.dtype,
-        "grad_image": _dp_mean(image_full.grad),
-        "grad_text": _dp_mean(text_full.grad),
-        "grad_scale": _dp_mean(scale.grad),
-        "grad_dtype": image_full.grad.dtype,
-    }
-    if bias is not None:
-        result["grad_bias"] = _dp_mean(bias.grad if bias.grad is not None else torch.zeros(()))
-    if metrics is not None:
-        result["acc_i2t"] = _dp_mean(metrics["acc_i2t"])
-        result["acc_t2i"] = _dp_mean(metrics["acc_t2i"])
-    return result
+def _open_clip_loss(module, case: Case, rank: int, world: int):
+    if case.mode == "plain" and case.dtype == "float32" and not case.uneven:
+        return module.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world)
+    return None
 
 
 def _gather_check(rank: int, world: int) -> dict:
@@ -199,47 +109,10 @@ def _gather_check(rank: int, world: int) -> dict:
     }
 
 
-def _error_checks(rank: int, world: int) -> dict:
-    """Every rank must raise the same ValueError when one rank's inputs are bad."""
-    messages = {}
-    image, text = _inputs(Case("plain", "float32"), world)
-    rows = slice(rank * EQUAL_ROWS, (rank + 1) * EQUAL_ROWS)
-    for mode in CPU_MODES:
-        x = image[rows].clone()
-        if rank == world - 1:
-            x[0, 0] = float("nan")
-        try:
-            ClipLoss(mode=mode)(x, text[rows], torch.tensor(10.0))
-            messages[f"nonfinite-{mode}"] = None
-        except ValueError as err:
-            messages[f"nonfinite-{mode}"] = str(err)
-    dim = DIM if rank else DIM // 2
-    try:
-        ClipLoss()(image[rows, :dim], text[rows, :dim], torch.tensor(10.0))
-        messages["dim"] = None
-    except ValueError as err:
-        messages["dim"] = str(err)
-    return messages
-
-
 def _worker(rank: int, world: int) -> dict:
-    results: dict = {"cases": {}, "open_clip": {}}
-    for case in _cases_for(world):
-        loss_fn = ClipLoss(mode=case.mode, chunk_size=case.chunk)
-        results["cases"][case.name] = _run_case(loss_fn, case, rank, world)
-        if world > 1 and case.uneven:  # sizes known to the caller: no exchange, same result
-            known = ClipLoss(mode=case.mode, chunk_size=case.chunk, validate=False)
-            results.setdefault("known_sizes", {})[case.name] = _run_case(known, case, rank, world, known_sizes=True)
-    open_clip_loss = _open_clip_loss_module()
-    if open_clip_loss is None:
-        results["open_clip"] = None
-    else:
-        for case in _cases_for(world):
-            if case.mode == "plain" and case.dtype == "float32" and not case.uneven:
-                oc = open_clip_loss.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world)
-                results["open_clip"][case.name] = _run_case(oc, case, rank, world)
+    results = run_cases(rank, world, ClipLoss, CASES, _open_clip_loss, unused_bias=True)
     results["gather"] = _gather_check(rank, world) if world > 1 else None
-    results["errors"] = _error_checks(rank, world) if world > 1 else None
+    results["errors"] = error_checks(rank, world, ClipLoss, CPU_MODES) if world > 1 else None
     return results
 
 
@@ -255,35 +128,13 @@ def _world_results(world: int) -> list[dict]:
 
 
 def _assert_matches_reference(got: dict, ref: dict, case: Case) -> None:
-    loss_rtol, grad_tol, scale_rtol = TOLERANCES[case.dtype]
-    torch.testing.assert_close(got["loss"], ref["loss"], rtol=loss_rtol, atol=1e-7)
-    assert_grad_close(got["grad_image"], ref["grad_image"], grad_tol, "image grad")
-    assert_grad_close(got["grad_text"], ref["grad_text"], grad_tol, "text grad")
-    torch.testing.assert_close(got["grad_scale"], ref["grad_scale"], rtol=scale_rtol, atol=1e-7)
-    if case.bias is not None:  # softmax CE is shift invariant: the reference bias gradient is ~0
-        torch.testing.assert_close(got["grad_bias"], ref["grad_bias"], rtol=0, atol=1e-6)
+    assert_matches_reference(got, ref, case, bias_tol=BIAS_TOL)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_matches_full_batch_reference_after_data_parallel_mean(world: int) -> None:
-    results = _world_results(world)
-    informative = []
-    for case in _cases_for(world):
-        image, text = _inputs(case, world)
-        ref = clip_reference(image, text, float(torch.tensor(case.scale)), case.bias)
-        got = results[0]["cases"][case.name]
-        try:
-            _assert_matches_reference(got, ref, case)
-            assert got["loss_dtype"] == torch.float32
-            assert got["grad_dtype"] == getattr(torch, case.dtype)
-            # accuracies: the mean over ranks of each rank's share is the full-batch accuracy
-            torch.testing.assert_close(got["acc_i2t"], ref["acc_i2t"], rtol=0, atol=1e-6)
-            torch.testing.assert_close(got["acc_t2i"], ref["acc_t2i"], rtol=0, atol=1e-6)
-            informative.append(0.0 < ref["acc_i2t"] < 1.0)
-        except AssertionError as err:
-            raise AssertionError(f"world {world}, case {case.name}: {err}") from err
-        for other in results[1:]:  # the data-parallel mean is the same on every rank
-            torch.testing.assert_close(other["cases"][case.name]["loss"], got["loss"], rtol=0, atol=0)
+    refs = check_cases(_world_results(world), world, CASES, _reference, bias_tol=BIAS_TOL)
+    informative = [0.0 < ref["acc_i2t"] < 1.0 for ref in refs]
     assert sum(informative) >= len(informative) // 2, "inputs should make the accuracies informative"
 
 
@@ -295,25 +146,13 @@ def test_matches_open_clip(world: int) -> None:
     assert results[0]["open_clip"], "open_clip is installed here but was not found in the spawned ranks"
     for case_name, theirs in results[0]["open_clip"].items():
         case = next(c for c in CASES if c.name == case_name)
-        ours = results[0]["cases"][case_name]
-        image, text = _inputs(case, world)
-        ref = clip_reference(image, text, float(torch.tensor(case.scale)), case.bias)
-        _assert_matches_reference(theirs, ref, case)  # open_clip itself is right in this setup
-        torch.testing.assert_close(ours["loss"], theirs["loss"], rtol=1e-5, atol=1e-7)
-        for key in ("grad_image", "grad_text"):
-            assert_grad_close(ours[key], theirs[key], 2e-5, f"{case_name} {key} vs open_clip")
-        torch.testing.assert_close(ours["grad_scale"], theirs["grad_scale"], rtol=1e-4, atol=1e-7)
+        _assert_matches_reference(theirs, _reference(case, world), case)  # open_clip itself is right in this setup
+        assert_matches_open_clip(results[0]["cases"][case_name], theirs, case_name, ("grad_scale",))
 
 
 @pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1])
 def test_known_sizes_skip_the_exchange_with_identical_results(world: int) -> None:
-    for rank, res in enumerate(_world_results(world)):
-        assert res["known_sizes"], "no uneven case ran with known sizes"
-        for name, got in res["known_sizes"].items():
-            exchanged = res["cases"][name]
-            for key, value in exchanged.items():
-                if isinstance(value, torch.Tensor):
-                    assert torch.equal(got[key], value), (rank, name, key)
+    check_known_sizes(_world_results(world))
 
 
 @pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1])
@@ -326,12 +165,7 @@ def test_all_gather_backward_is_reduce_scatter_sum(world: int) -> None:
 
 @pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1])
 def test_bad_input_on_one_rank_raises_on_every_rank(world: int) -> None:
-    for rank, res in enumerate(_world_results(world)):
-        errors = res["errors"]
-        for mode in CPU_MODES:
-            msg = errors[f"nonfinite-{mode}"]
-            assert msg is not None and f"rank(s) [{world - 1}]" in msg, f"rank {rank}, {mode}: {msg}"
-        assert errors["dim"] is not None and "differ across ranks" in errors["dim"], f"rank {rank}"
+    check_errors(_world_results(world), world, CPU_MODES)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -343,7 +177,7 @@ def test_bad_input_on_one_rank_raises_on_every_rank(world: int) -> None:
 def test_without_process_group_matches_reference(mode: str) -> None:
     assert not dist.is_initialized()
     case = Case(mode, "float32", chunk=8, bias=1.5)
-    image, text = _inputs(case, 5)  # 35 rows, one process
+    image, text = inputs(case, 5)  # 35 rows, one process
     x, y = image.clone().requires_grad_(), text.clone().requires_grad_()
     scale, bias = torch.tensor(case.scale, requires_grad=True), torch.tensor(case.bias, requires_grad=True)
     loss_fn = ClipLoss(mode=mode, chunk_size=case.chunk)
@@ -382,16 +216,7 @@ def test_plain_and_chunked_agree_on_a_larger_batch(dtype: torch.dtype) -> None:
 
 def test_chunked_never_materialises_the_logit_block() -> None:
     rows, dim, chunk = 512, 8, 64
-    gen = torch.Generator().manual_seed(4)
-    image = F.normalize(torch.randn(rows, dim, generator=gen), dim=1)
-    text = F.normalize(torch.randn(rows, dim, generator=gen), dim=1)
-    largest = {}
-    for mode in ("plain", "chunked"):
-        x, y = image.clone().requires_grad_(), text.clone().requires_grad_()
-        scale = torch.tensor(20.0, requires_grad=True)
-        with LargestTensor() as probe:
-            ClipLoss(mode=mode, chunk_size=chunk)(x, y, scale).loss.backward()
-        largest[mode] = probe.largest
+    largest = largest_tensors(ClipLoss, ("plain", "chunked"), rows, dim, chunk, seed=4, scale=20.0)
     assert largest["plain"] >= rows * rows * 4  # the probe does see the fp32 block when it exists
     assert largest["chunked"] <= max(chunk * chunk, 2 * rows * dim) * 4, largest
 
@@ -474,32 +299,7 @@ def test_cuda_matches_reference_and_chunked_saves_memory(dtype: str) -> None:
 
 
 def test_input_errors() -> None:
-    x = F.normalize(torch.randn(4, 8), dim=1)
-    s = torch.tensor(10.0)
-    with pytest.raises(ValueError, match="unknown ClipLoss mode"):
-        ClipLoss(mode="nope")
-    with pytest.raises(ValueError, match="chunk_size"):
-        ClipLoss(mode="chunked", chunk_size=0)
-    for mode in CPU_MODES:
-        loss_fn = ClipLoss(mode=mode)
-        with pytest.raises(ValueError, match=r"\(M, D\)"):
-            loss_fn(x, x[:3], s)
-        with pytest.raises(ValueError, match="dtype"):
-            loss_fn(x, x.double(), s)
-        with pytest.raises(ValueError, match="single value"):
-            loss_fn(x, x, torch.ones(2))
-        with pytest.raises(ValueError, match="single value"):
-            loss_fn(x, x, s, torch.zeros(3))
-        with pytest.raises(ValueError, match="empty"):
-            loss_fn(x[:0], x[:0], s)
-        with pytest.raises(ValueError, match="sizes"):
-            loss_fn(x, x, s, sizes=[3])
-        bad = x.clone()
-        bad[1, 2] = float("inf")
-        with pytest.raises(ValueError, match="non-finite"):
-            loss_fn(bad, x, s)
-        with pytest.raises(ValueError, match="non-finite"):
-            loss_fn(x, x, torch.tensor(float("nan")))
+    check_input_errors(ClipLoss, CPU_MODES, "nope")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -48,9 +48,10 @@ from optim import _triton
 from recipe.loss import ClipLoss
 from recipe.loss import fused as lk
 
-from ...clip_reference import LargestTensor, LiveBytes, assert_grad_close, clip_reference
+from ...clip_reference import LiveBytes, assert_grad_close, clip_reference
 from ...dist_utils import run_distributed
 from ...precompile import precompile
+from .harness import largest_tensors
 
 HAVE_TRITON = _triton.is_available()
 INTERPRETED = HAVE_TRITON and lk.interpreting()
@@ -210,16 +211,7 @@ def test_accuracy_uses_the_first_maximum_on_exact_ties() -> None:
 @on_cpu
 def test_never_materialises_the_logit_block() -> None:
     rows, dim, tile = 192, 8, 32
-    gen = torch.Generator().manual_seed(13)
-    image = F.normalize(torch.randn(rows, dim, generator=gen), dim=1)
-    text = F.normalize(torch.randn(rows, dim, generator=gen), dim=1)
-    largest = {}
-    for mode in ("plain", "fused"):
-        x, y = image.clone().requires_grad_(), text.clone().requires_grad_()
-        scale = torch.tensor(20.0, requires_grad=True)
-        with LargestTensor() as probe:
-            ClipLoss(mode=mode, chunk_size=tile)(x, y, scale).loss.backward()
-        largest[mode] = probe.largest
+    largest = largest_tensors(ClipLoss, ("plain", "fused"), rows, dim, tile, seed=13, scale=20.0)
     assert largest["plain"] >= rows * rows * 4  # the probe sees the fp32 block when it exists
     # fp32: one-tile dS bands, (M, D) accumulators, 4-program partial statistics
     assert largest["fused"] <= rows * max(tile, dim, 4) * 4, largest
