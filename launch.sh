@@ -80,7 +80,8 @@ else
     [ -f "$DATA_DIR/train.csv" ] || python -m recipe.synthetic --out "$DATA_DIR" --n 6000 --image-size 32
     args+=(--train-data "$DATA_DIR/train.csv" --val-data "$DATA_DIR/val.csv"
            --steps 400 --lr 2e-3 --warmup-steps 30 --eval-every 200 --log-every 50)
-    has --init-from "$@" || args+=(--preset tiny)   # --init-from brings its own architecture
+    # a CLIP-style ViT (pre-norm) that exports to open_clip and Hugging Face; --init-from brings its own architecture
+    has --init-from "$@" || args+=(--preset tiny-clip)
   fi
 fi
 

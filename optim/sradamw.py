@@ -22,7 +22,7 @@ from .functional import (
 )
 from ._plan import Plan
 from ._rows import call_arguments
-from .master16 import join_master
+from .master16 import join_master, split_master
 from .rounding import derive_key, fold_key
 
 __all__ = ["SRAdamW"]
@@ -419,6 +419,56 @@ class SRAdamW(Optimizer):
         if "master_low" in state:
             return join_master(p.detach(), state["master_low"])
         return state.get("master")
+
+    @torch.no_grad()
+    def set_master(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Makes ``value`` (float32, ``p.numel()`` elements) the exact float32 master of parameter ``p``,
+        so that :meth:`master` then gives it back bit for bit: e.g. a run started from float32 weights
+        whose parameters were cast to bfloat16 before the optimizer was built.
+
+        * A bfloat16 parameter of a group with ``master_weights`` and the split form: ``p`` becomes the
+          master's high half (nearest, ties away from zero) and ``master_low`` its low 16 bits
+          (:func:`optim.master16.split_master`).
+        * A float32 ``master`` state (``master_format="fp32"``, float16 parameters, or a state loaded in
+          that form): the state becomes ``value`` and ``p`` its round-to-nearest-even copy.
+        * A float32 parameter is its own master: it becomes ``value``.
+
+        ``p``'s state is created first when it has none (zero statistics at step 0, as its first step
+        would create it; its noise stream index is the order in which states are created, as always).
+        No other state changes.
+
+        Raises:
+            ValueError: ``p`` is in no group of this optimizer, ``value`` is not float32 or has another
+                number of elements, or ``p`` is a half-precision parameter of a group without
+                ``master_weights`` (its weight is all there is: it keeps no master).
+        """
+        group = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
+        if group is None:
+            raise ValueError("SRAdamW.set_master: the tensor is not a parameter of this optimizer")
+        if value.dtype != torch.float32 or value.numel() != p.numel():
+            raise ValueError(f"SRAdamW.set_master: the master of a parameter of {p.numel()} elements must be "
+                             f"float32 with as many elements, got {value.dtype} {tuple(value.shape)}")
+        value = value.detach().to(p.device).reshape(p.shape)
+        if p.dtype == torch.float32:
+            p.copy_(value)
+            self._retire_plans()
+            return
+        if not group["master_weights"]:
+            raise ValueError(f"SRAdamW.set_master: a {p.dtype} parameter of a group without master_weights keeps "
+                             "no master (its stochastically rounded weight is all there is)")
+        self._settle()
+        state = self.state[p] if len(self.state.get(p, {})) else self._init_state(p, group)
+        if "master_low" in state:
+            hi, lo = split_master(value)
+            p.copy_(hi)
+            state["master_low"].copy_(lo.reshape(state["master_low"].shape))
+        elif "master" in state:
+            state["master"].copy_(value.reshape(state["master"].shape))
+            p.copy_(value)  # round to nearest (even), as an update leaves it
+        else:
+            raise ValueError("SRAdamW.set_master: the parameter's state keeps no master (a state loaded from a "
+                             "group without master_weights)")
+        self._retire_plans()
 
     def _grad_maxima(self) -> dict[torch.device, torch.Tensor]:
         """Per device, the largest magnitude of each gradient (:func:`_grad_amax`, NaN propagates) in

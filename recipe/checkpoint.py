@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .batchnorm import average_batchnorm_stats
 from .distributed import barrier, broadcast_from_rank0, collective_device, max_over_ranks_, rank_world
 
 __all__ = [
@@ -168,6 +169,8 @@ def save(
     tag = broadcast_from_rank0(tag)
     tag_dir = ckpt_dir / tag
     keep = f"; the previous checkpoint ({_latest_name(ckpt_dir)}) is intact"
+    # every rank's BatchNorm statistics averaged: the checkpoint holds rank 0's (recipe.batchnorm)
+    average_batchnorm_stats(engine.module, ema)
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
         tag_dir.mkdir(parents=True, exist_ok=True)
@@ -245,13 +248,17 @@ def resolve(resume: str, ckpt_dir: str | os.PathLike) -> Path:
     raise CheckpointError(f"no complete checkpoint under {base} (no '{LATEST}' file)")
 
 
-def load(engine: Any, tag_dir: str | os.PathLike) -> dict[str, Any]:
+def load(engine: Any, tag_dir: str | os.PathLike, optimizer_states: bool = True) -> dict[str, Any]:
     """Loads a complete checkpoint into ``engine`` (model, optimizer incl. SR seed, scheduler) and
     returns this rank's client state.
 
     A checkpoint written by another number of ranks is re-sharded (:mod:`recipe.elastic`, ZeRO 0-3):
     the client state then has ``"data"`` the list of every saved rank's data position and
     ``"resharded_from"`` the saved world size.
+
+    ``optimizer_states=False`` (ZeRO 0-2) loads the module, scheduler and counters but no optimizer
+    state, for a resume that maps it by parameter name itself (:mod:`recipe.regroup`); under ZeRO-1/2
+    DeepSpeed's partitions then hold the module's weights.
 
     Raises:
         CheckpointError: On a missing, incomplete or unreadable checkpoint, or a world-size change
@@ -262,6 +269,23 @@ def load(engine: Any, tag_dir: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {tag_dir} is incomplete (no {COMPLETE} marker)")
     meta = json.loads((tag_dir / COMPLETE).read_text())
     world = rank_world()[1]
+    if not optimizer_states:
+        # the module file is whole at any world size. It holds every parameter, frozen ones too; DeepSpeed
+        # (ZeRO-1/2) then copies the saved frozen parameters again by name, which fails for a parameter
+        # frozen since the save (--lock-text on resume): none counts as frozen during the load
+        frozen = [p for p in engine.module.parameters() if not p.requires_grad]
+        try:
+            for p in frozen:
+                p.requires_grad_(True)
+            load_engine_state(engine, tag_dir, optimizer_states=False)
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+        if meta.get("world_size", world) != world:
+            from .elastic import _client_state  # the client state re-sharded as for an elastic resume
+
+            return _client_state(tag_dir, rank_world()[0], int(meta["world_size"]))
+        return read_file(tag_dir / f"rank{rank_world()[0]:05d}.pt")
     if meta.get("world_size", world) != world:
         from .elastic import load_resharded  # an elastic resume
 

@@ -296,6 +296,13 @@ class TrainConfig:
         None, "passes over the training data (1 when neither this nor --steps is given)", gt=0
     )
     eval_every: int = option(0, "evaluate every N steps (0: only at the end)", ge=0)
+    eval_benchmark: str | None = option(
+        None, "CLIP_benchmark datasets evaluated with the others, NAME[,NAME...] (wds/<name> or its names; "
+        "needs --benchmark-root and the [eval] extra): benchmark_<dataset>_<metric> in the eval metrics"
+    )
+    benchmark_root: str | None = option(
+        None, "folder of the --eval-benchmark datasets (wds_<name>/ as CLIP_benchmark's converter writes them)"
+    )
     save_every: int = option(0, "checkpoint every N steps (0: only at the end)", ge=0)
     log_every: int = option(10, "log training metrics every N steps", ge=1)
     numerics_every: int | None = option(
@@ -350,13 +357,18 @@ class TrainConfig:
         m = self.model
         check_model_names(m.preset, m.image_encoder, m.text_encoder, init_from=m.init_from)
         if self.model.init_from is not None:
-            if not Path(self.model.init_from).is_dir():
+            # read at a run's start only: a resumed run rebuilds it from its own files (the source may be gone)
+            if not self.resume and not Path(self.model.init_from).is_dir():
                 raise FileNotFoundError(f"--init-from directory not found: {self.model.init_from}")
             if self.data.tokenizer is not None:
                 raise ValueError("--tokenizer contradicts --init-from: the tokenizer is read from the init directory")
             if self.model.image_weights is not None:
                 raise ValueError("--image-weights contradicts --init-from: the weights come from the init directory")
         self._validate_zeroshot()
+        if self.eval_benchmark:  # CLIP_benchmark's names and files, before anything is written
+            from .benchmark.training import check_config
+
+            check_config(self.eval_benchmark, self.benchmark_root)
         if not Path(self.deepspeed_config).is_file():
             raise FileNotFoundError(f"DeepSpeed config not found: {self.deepspeed_config}")
         from .precision import read_ds_config  # imports torch: only once the cheap checks passed
@@ -504,12 +516,22 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(f"{message}{hint}; --help lists every flag")
 
 
+class _NoHyphenBreaks(argparse.HelpFormatter):
+    """argparse's help layout without line breaks at hyphens: names like ``tiny-resnet`` stay whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per leaf field, with the field's help text and default; plus ``--config``."""
     ap = OneLineParser(
         prog="python -m recipe.train",
         description="Train a CLIP model under DeepSpeed (see README.md, 'Training').",
         allow_abbrev=False,  # a prefix of one flag must never silently set another
+        formatter_class=_NoHyphenBreaks,
     )
     seen: dict[str, str] = {}
     for section, cls in _sections().items():
@@ -520,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
                 )
             seen[f.name] = section or "run"
         group = ap.add_argument_group(section or "run", (cls.__doc__ or "").strip().splitlines()[0])
-        add_field_flags(group, cls, section or "", {"deepspeed_config": ["--deepspeed_config"]})
+        add_field_flags(group, cls, section or "", {"deepspeed_config": ["--deepspeed_config", "--ds-config"]})  # DeepSpeed's, the benchmarks'
     ap.add_argument(
         "--config", default=None, help="JSON file of a TrainConfig (e.g. a run's config.json); flags override it"
     )

@@ -6,8 +6,10 @@ Small factory functions keyed by name:
   local state-dict file) with its classifier removed, so it returns pooled features (defined in
   :mod:`recipe.image_tower`, with :class:`ImageTower`).
 * :func:`create_text_tower` builds any transformers model from a built-in config name
-  (:data:`TEXT_CONFIGS`), a config JSON file, or a local directory (``from_pretrained`` when weights
-  are there, ``from_config`` otherwise), and pools its token states as the architecture expects.
+  (:data:`TEXT_CONFIGS`), a config JSON file, a local directory (``from_pretrained`` when weights
+  are there, ``from_config`` otherwise) or ``transformers:<model_type>`` (that type's default config;
+  :func:`self_contained_text_config` turns a directory's config into such a spec plus overrides), and
+  pools its token states as the architecture expects.
 * :data:`POOLERS` maps a pooling name (``eos``, ``cls``, ``mean``, ``last``) to a function.
 
 Image towers take FLIP's patch dropout (``patch_dropout``) and keep the BatchNorm layers of a locked
@@ -41,6 +43,7 @@ __all__ = [
     "create_image_tower",
     "create_text_tower",
     "resolve_text_config",
+    "self_contained_text_config",
     "default_pooling",
 ]
 
@@ -266,7 +269,8 @@ def resolve_text_config(spec: str | os.PathLike | PretrainedConfig) -> tuple[Pre
 
     Args:
         spec: A :data:`TEXT_CONFIGS` name, a config JSON file (with ``model_type``), a local model
-            directory, or a ``PretrainedConfig``.
+            directory, ``transformers:<model_type>`` (:data:`MODEL_TYPE_PREFIX`: that type's default
+            config), or a ``PretrainedConfig``.
 
     Returns:
         ``(config, weights_dir)``; ``weights_dir`` is ``None`` when the model is built from config.
@@ -280,6 +284,12 @@ def resolve_text_config(spec: str | os.PathLike | PretrainedConfig) -> tuple[Pre
     text = str(spec)
     if text in TEXT_CONFIGS:
         return TEXT_CONFIGS[text](), None
+    if text.startswith(MODEL_TYPE_PREFIX):  # a model type's defaults (the overrides give the rest)
+        try:
+            return AutoConfig.for_model(text[len(MODEL_TYPE_PREFIX):]), None
+        except ValueError:
+            raise ValueError(f"text tower {text!r}: {text[len(MODEL_TYPE_PREFIX):]!r} is no transformers model type "
+                             "of this transformers version") from None
     path = Path(text)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -297,6 +307,36 @@ def resolve_text_config(spec: str | os.PathLike | PretrainedConfig) -> tuple[Pre
     if path.suffix == ".json" or os.sep in text:
         raise FileNotFoundError(f"text tower config not found: {path}")
     raise ValueError(f"unknown text tower {text!r}; built-in names: {sorted(TEXT_CONFIGS)}, or give a path")
+
+
+#: Text-tower spec prefix of a transformers model type's default config (``transformers:bert``).
+MODEL_TYPE_PREFIX = "transformers:"
+#: Config entries that describe where a config came from, not the model.
+_PROVENANCE_KEYS = ("_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype")
+
+
+def self_contained_text_config(config: PretrainedConfig) -> tuple[str, dict[str, Any]]:
+    """``(spec, overrides)`` that rebuild ``config`` (e.g. a local directory's) without reading any file:
+    ``transformers:<model_type>`` and every entry of the config class that differs from its default.
+    Entries the class does not declare (legacy keys of older transformers versions, such as
+    ``gradient_checkpointing``) are not carried: the model classes of this version do not read them.
+
+    Raises:
+        ValueError: The config's model type is unknown to this transformers version, or the spec does not
+            rebuild it.
+    """
+    model_type = getattr(config, "model_type", "")
+    spec = f"{MODEL_TYPE_PREFIX}{model_type}"
+    base = resolve_text_config(spec)[0]
+    wanted, defaults = config.to_dict(), base.to_dict()
+    overrides = {k: v for k, v in wanted.items()
+                 if k not in _PROVENANCE_KEYS and k != "model_type" and hasattr(base, k) and defaults.get(k) != v}
+    _apply_overrides(base, overrides)
+    rebuilt = base.to_dict()
+    differ = sorted(k for k in rebuilt if k not in _PROVENANCE_KEYS and wanted.get(k, rebuilt[k]) != rebuilt[k])
+    if differ:
+        raise ValueError(f"{spec} with overrides does not rebuild the config: {differ}")
+    return spec, overrides
 
 
 def _text_submodel_config(config: PretrainedConfig) -> PretrainedConfig:

@@ -8,6 +8,14 @@ under every ZeRO stage; standalone::
     python -m recipe.evaluate --checkpoint runs/demo --zeroshot imagenet --val-data /data/imagenet/val
     python -m recipe.evaluate --checkpoint runs/demo --zeroshot classes.json --val-data DIR
     python -m recipe.evaluate --checkpoint runs/demo --ema      # the EMA weights (--ema-decay runs)
+    # CLIP_benchmark's datasets, class names, templates and metrics (recipe/benchmark/, the [eval] extra)
+    python -m recipe.evaluate --checkpoint runs/demo --benchmark wds/cifar10,mscoco_captions --benchmark-root DIR
+    python -m recipe.evaluate --checkpoint runs/demo --weights module   # the bf16 module weights
+
+Which weights (``--weights``, as ``python -m recipe.export``): ``master`` (the default) evaluates what an
+export holds, in fp32: the optimizer's exact fp32 masters for mastered groups (the image tower and the
+logit scale by default), the module weights (an exact upcast) elsewhere; ``module`` the checkpoint's
+module weights in the run's dtype, as training's own evaluation saw them (the default with ``--ema``).
 
 What is evaluated:
 
@@ -24,7 +32,8 @@ What is evaluated:
 
 Unreadable or corrupt images are skipped and counted (``eval_skipped``, ``<name>_skipped`` for the
 zero-shot data). Standalone evaluation prints one JSON line of metrics and writes them, with what was
-evaluated, to ``RUN_DIR/eval_<name>_step<N>.json`` (``eval_<name>_ema_step<N>.json`` with ``--ema``).
+evaluated, to ``RUN_DIR/eval_<name>_step<N>.json`` (``eval_<name>_ema_step<N>.json`` with ``--ema``,
+``eval_<name>_module_step<N>.json`` with ``--weights module``).
 ``<name>`` is named by the data: the zero-shot class names given (``imagenet``, a ``--zeroshot`` file's
 stem), each dataset's folder and file stem, and 8 hex digits of a SHA-1 of what identifies the data (the
 resolved paths, format, split, columns and zero-shot class names of each dataset), e.g.
@@ -48,12 +57,12 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .config import DataConfig
 from .data import SKIP_REASONS, build_eval_loader, expand_paths
 from .data.paths import canonical_format, detect_format
 from .zeroshot import IMAGENET, ZeroShotPrompts, find_zeroshot_file, get_zeroshot_prompts
+from .zeroshot.classifier import zero_shot_classifier  # re-exported: recipe.evaluate.zero_shot_classifier
 
 __all__ = [
     "zero_shot_classifier",
@@ -92,42 +101,6 @@ def _progress(items: Iterable | None, enabled: bool, **kw: Any) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(items, file=sys.stderr, dynamic_ncols=True, **kw)
-
-
-@torch.no_grad()
-def zero_shot_classifier(
-    model: Any, prompts: ZeroShotPrompts, tokenize: Any, max_prompts: int = 2048, progress: bool = False
-) -> torch.Tensor:
-    """``[num_classes, D]`` class embeddings: the normalised mean of each class's normalised
-    template embeddings (as in the CLIP paper's prompt ensembling).
-
-    Classes are embedded a few at a time (up to ``max_prompts`` prompts a forward); under an
-    initialised process group each rank embeds a contiguous block of the classes and the blocks are
-    gathered (ImageNet: 80,000 prompts).
-    """
-    device = _model_device(model)
-    per_class = prompts.prompts()
-    n, t = len(per_class), len(prompts.templates)
-    rank, world = _distributed()
-    lo, hi = n * rank // world, n * (rank + 1) // world
-    step = max(1, max_prompts // t)
-    rows = []
-    bar = _progress(None, progress, desc="zero-shot classifier", unit="class", total=hi - lo)
-    for start in range(lo, hi, step):
-        chunk = per_class[start : min(hi, start + step)]
-        tok = tokenize([p for class_prompts in chunk for p in class_prompts])
-        emb = model.encode_text(tok["input_ids"].to(device), tok["attention_mask"].to(device)).float()
-        rows.append(F.normalize(emb.view(len(chunk), t, -1).mean(1), dim=-1).cpu())
-        if bar is not None:
-            bar.update(len(chunk))
-    if bar is not None:
-        bar.close()
-    local = torch.cat(rows) if rows else torch.empty(0)
-    if world > 1:
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, local)
-        local = torch.cat([g for g in gathered if g.numel()])
-    return local.to(device)
 
 
 def zero_shot_accuracy(
@@ -403,7 +376,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--workers", type=int, default=None, help="DataLoader worker processes (default: the run's)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--ema", action="store_true", help="evaluate the checkpoint's EMA weights (runs with --ema-decay)")
+    ap.add_argument("--weights", choices=("master", "module"), default=None,
+                    help="master (default): the weights export writes, evaluated in fp32: the exact fp32 masters the "
+                         "optimizer keeps for mastered groups (the image tower and the logit scale by default), the "
+                         "module weights elsewhere; module: the checkpoint's module weights in the run's dtype, as "
+                         "training evaluated them (the default with --ema: the EMA weights have no master)")
+    # CLIP_benchmark's datasets and metrics instead of the run's data (recipe/benchmark/, the [eval] extra)
+    ap.add_argument("--benchmark", default=None, metavar="NAME[,NAME...]",
+                    help="CLIP_benchmark datasets (wds/<name> or its names, e.g. cifar10,mscoco_captions) read from "
+                         "--benchmark-root, scored with its class names, templates and metrics")
+    ap.add_argument("--benchmark-root", default=None, metavar="DIR",
+                    help="folder of the --benchmark datasets (wds_<name>/ as CLIP_benchmark's converter writes them)")
+    ap.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                    help="with --benchmark: the evaluation precision (default: fp32 for --weights master, the "
+                         "run's for module)")
     args = ap.parse_args(argv)
+    if args.benchmark is not None:
+        from .benchmark.cli import run as run_benchmark
+
+        return run_benchmark(args)
     path = Path(args.checkpoint)
     tag_dir = checkpoint.resolve(str(path), path / "checkpoints")
     run_dir = tag_dir.parent.parent
@@ -420,27 +411,38 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise SystemExit("no validation data: pass --val-data")
     if data.zeroshot and data.zeroshot != IMAGENET and not os.path.isfile(data.zeroshot):
         raise SystemExit(f"--zeroshot must be 'imagenet' or an existing zeroshot.json file, got {data.zeroshot!r}")
-    tokenizer = load_tokenizer(run_dir / "tokenizer")
-    model = create_model(
-        config=CLIPConfig.from_dict(json.loads((run_dir / "model_config.json").read_text())),
-        tokenizer=tokenizer,
-        text_load_weights=False,
-    )
-    weights = tag_dir / (checkpoint.EMA_WEIGHTS if args.ema else checkpoint.MODEL_WEIGHTS)
-    if not weights.is_file():
-        raise checkpoint.CheckpointError(f"{weights} not found" + (" (train with --ema-decay)" if args.ema else ""))
-    state = torch.load(weights, map_location="cpu", weights_only=True)
-    model.to(state["logit_scale"].dtype)  # evaluate in the precision the run trained in
-    model.load_state_dict(state)
+    source = args.weights or ("module" if args.ema else "master")
+    masters = 0
+    if source == "master":  # what export writes (recipe.export.run.load_run), evaluated in fp32
+        from .export.run import load_run
+
+        run = load_run(tag_dir, torch.float32, ema=args.ema, weights="master")
+        tokenizer, model, masters = run.tokenizer, run.model, len(run.master_names)
+        weights = tag_dir / run.weights_file
+    else:
+        tokenizer = load_tokenizer(run_dir / "tokenizer")
+        model = create_model(
+            config=CLIPConfig.from_dict(json.loads((run_dir / "model_config.json").read_text())),
+            tokenizer=tokenizer,
+            text_load_weights=False,
+        )
+        weights = tag_dir / (checkpoint.EMA_WEIGHTS if args.ema else checkpoint.MODEL_WEIGHTS)
+        if not weights.is_file():
+            raise checkpoint.CheckpointError(f"{weights} not found" + (" (train with --ema-decay)" if args.ema else ""))
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+        model.to(state["logit_scale"].dtype)  # evaluate in the precision the run trained in
+        model.load_state_dict(state)
     metrics = evaluate_data(model, data, tokenizer, args.batch_size, progress=not args.no_progress)
     metrics["step"] = json.loads((tag_dir / checkpoint.COMPLETE).read_text())["step"]
     shown = {k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v) for k, v in metrics.items()}
     datasets = [dataset_record(data, *d) for d in evaluated_datasets(data)]
     record = {
         **metrics, "checkpoint": str(tag_dir), "val_data": data.val_data, "zeroshot_data": data.zeroshot_data,
-        "zeroshot": data.zeroshot, "weights": weights.name, "datasets": datasets,
+        "zeroshot": data.zeroshot, "weights": weights.name, "weights_source": source, "master_params": masters,
+        "datasets": datasets,
     }
-    out = run_dir / f"eval_{result_name(data, datasets)}{'_ema' if args.ema else ''}_step{metrics['step']}.json"
+    kind = "_ema" if args.ema else "_module" if source == "module" else ""
+    out = run_dir / f"eval_{result_name(data, datasets)}{kind}_step{metrics['step']}.json"
     checkpoint.atomic_write_bytes(out, json.dumps(record, indent=1).encode())
     text = _summary(metrics)
     print((text + "\n" if text else "") + f"written to {out}", file=sys.stderr, flush=True)

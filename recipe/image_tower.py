@@ -2,7 +2,7 @@
 
 :func:`create_image_tower` builds a timm model (``pretrained=False``, or weights from a local
 state-dict file) with ``num_classes=0``, so it returns pooled features, and resolves the timm data
-config its images follow (input size, normalisation, crop fraction). It takes FLIP's patch dropout
+config its images follow (input size, normalisation, crop fraction, interpolation). It takes FLIP's patch dropout
 (``patch_dropout``); :class:`ImageTower` keeps the BatchNorm layers of a locked tower in evaluation
 mode (``frozen_norms``, set by :meth:`recipe.model.CLIP.lock_image_tower`).
 
@@ -24,6 +24,8 @@ from torch import nn
 __all__ = ["ImageTower", "create_image_tower"]
 
 _STATE_DICT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
+#: The resampling filters timm's transforms take by name (PIL's, in PIL's order: ``Image.Resampling`` 0-5).
+INTERPOLATIONS = ("nearest", "lanczos", "bilinear", "bicubic", "box", "hamming")
 
 
 class ImageTower(nn.Module):
@@ -78,8 +80,9 @@ def _image_data_config(
     mean: tuple[float, ...] | None,
     std: tuple[float, ...] | None,
     crop_pct: float | None = None,
+    interpolation: str | None = None,
 ) -> dict[str, Any]:
-    """Resolves timm's data config for ``trunk`` and applies the size/normalisation overrides."""
+    """Resolves timm's data config for ``trunk`` and applies the size/normalisation/resampling overrides."""
     from timm.data import resolve_model_data_config
 
     cfg = resolve_model_data_config(trunk)
@@ -100,6 +103,10 @@ def _image_data_config(
         if not 0.0 < crop_pct <= 1.0:
             raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
         cfg["crop_pct"] = float(crop_pct)
+    if interpolation is not None:
+        if interpolation not in INTERPOLATIONS:
+            raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got {interpolation!r}")
+        cfg["interpolation"] = interpolation
     return cfg
 
 
@@ -134,6 +141,7 @@ def create_image_tower(
     mean: tuple[float, ...] | None = None,
     std: tuple[float, ...] | None = None,
     crop_pct: float | None = None,
+    interpolation: str | None = None,
     patch_dropout: float = 0.0,
     **timm_kwargs: Any,
 ) -> ImageTower:
@@ -153,6 +161,8 @@ def create_image_tower(
         std: Per-channel normalisation std overriding timm's default for the model.
         crop_pct: Evaluation centre-crop fraction overriding timm's (1.0: resize the shorter side
             to the input size and crop the centre, as CLIP evaluates).
+        interpolation: Resampling filter of the data pipeline's resizes overriding timm's for the model
+            (:data:`INTERPOLATIONS`, e.g. ``"bilinear"``; a pretrained model's own preprocessing).
         patch_dropout: Fraction of the patch tokens dropped in training (FLIP), none in evaluation
             mode; prefix tokens (class, registers) are always kept. timm's ``patch_drop_rate``: the
             tower keeps ``max(1, int(N * (1 - patch_dropout)))`` of its ``N`` patches, a new random
@@ -204,5 +214,5 @@ def create_image_tower(
         raise
     if patch_dropout > 0 and not _has_patch_dropout(trunk, patch_dropout):
         raise ValueError(f"{no_patches} (no PatchDropout module in its {type(trunk).__name__})")
-    data_config = _image_data_config(trunk, timm_kwargs, image_size, mean, std, crop_pct)
+    data_config = _image_data_config(trunk, timm_kwargs, image_size, mean, std, crop_pct, interpolation)
     return ImageTower(trunk, name, data_config)

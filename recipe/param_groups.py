@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["param_groups", "tower_of", "is_no_decay"]
+__all__ = ["param_groups", "tower_of", "is_no_decay", "locked_parameters", "group_layout"]
 
 _TOWER_PREFIXES = {
     "visual.": "image",
@@ -114,6 +114,7 @@ def param_groups(
     image_lr_scale: float = 1.0,
     text_lr_scale: float = 1.0,
     layer_decay: float | None = None,
+    trainable: set[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Splits a :class:`recipe.model.CLIP` model's trainable parameters into optimizer groups.
 
@@ -126,6 +127,8 @@ def param_groups(
     * ``logit_scale``: never decayed (the logit scale, and SigLIP's logit bias).
 
     Parameters with ``requires_grad=False`` (a locked tower) are left out: no optimizer state.
+    ``trainable`` (parameter names) replaces that test: the groups another lock setting gives, e.g. a
+    checkpoint's (:func:`locked_parameters`).
 
     Args:
         model: The CLIP model.
@@ -144,6 +147,7 @@ def param_groups(
         text_lr_scale: ``lr_scale`` of the text groups.
         layer_decay: Layer-wise decay of the image tower's ``lr_scale`` (see the module), ``None``
             for none (one pair of image groups).
+        trainable: Names of the parameters to group (default: those with ``requires_grad``).
 
     Returns:
         The list of group dicts, each trainable parameter in exactly one.
@@ -171,10 +175,10 @@ def param_groups(
     seen: set[int] = set()
     for module_name, module in model.named_modules():
         for local_name, param in module.named_parameters(recurse=False):
-            if id(param) in seen or not param.requires_grad:
+            full_name = f"{module_name}.{local_name}" if module_name else local_name
+            if id(param) in seen or not (param.requires_grad if trainable is None else full_name in trainable):
                 continue
             seen.add(id(param))
-            full_name = f"{module_name}.{local_name}" if module_name else local_name
             tower = tower_of(full_name)
             part = f"image.layer{layer_of[full_name]}" if tower == "image" and layer_of else tower
             if tower in ("logit_scale", "logit_bias"):
@@ -203,3 +207,38 @@ def param_groups(
             group["state_dtype"] = settings[tower]["state_dtype"]
         groups.append(group)
     return groups
+
+
+def locked_parameters(model: nn.Module, lock_image: bool, unlocked_groups: int = 0, lock_text: bool = False) -> set[str]:
+    """Names of the parameters ``--lock-image`` (with ``--lock-image-unlocked-groups`` N) and ``--lock-text``
+    freeze in a :class:`recipe.model.CLIP` model, without freezing them: what
+    :meth:`recipe.model.CLIP.lock_image_tower` and :meth:`recipe.model.CLIP.lock_text_tower` select (the
+    image tower and ``image_proj`` but for the last N layer groups of :meth:`recipe.model.CLIP.image_layer_ids`;
+    the text tower and ``text_proj``). A resume whose lock flags differ from its checkpoint's rebuilds the
+    checkpoint's groups from it (:mod:`recipe.regroup`).
+
+    Raises:
+        ValueError: ``unlocked_groups`` negative or beyond the tower's layer groups.
+    """
+    names = [n for n, _ in model.named_parameters()]
+    out: set[str] = set()
+    if lock_image:
+        image = [n for n in names if tower_of(n) == "image"]
+        if unlocked_groups < 0:
+            raise ValueError(f"unlocked_groups must be >= 0, got {unlocked_groups}")
+        if unlocked_groups:
+            ids, count = model.image_layer_ids()  # type: ignore[operator]
+            if unlocked_groups > count:
+                raise ValueError(f"the image tower has {count} layer groups; cannot leave {unlocked_groups} unlocked")
+            image = [n for n in image if ids[n] < count - unlocked_groups]
+        out.update(image)
+    if lock_text:
+        out.update(n for n in names if tower_of(n) == "text")
+    return out
+
+
+def group_layout(groups: list[dict[str, Any]], model: nn.Module) -> list[tuple[str, list[str]]]:
+    """``[(group name, [parameter names in the group's order]), ...]`` of optimizer groups holding
+    ``model``'s own parameters (as :func:`param_groups` returns them, or a ZeRO-0 optimizer's groups)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [(str(g.get("name", i)), [names[id(p)] for p in g["params"]]) for i, g in enumerate(groups)]

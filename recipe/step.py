@@ -60,6 +60,7 @@ class StepResult:
             value, so all of them stop at this step boundary.
         grad_norm: The unscaled global gradient norm the recipe clipped by (device scalar) on the
             recipe-managed routes with clipping; None where DeepSpeed clips (its engine reports it).
+            ``inf`` on an fp16 overflow step (the scaled gradients overflowed: the norm is unknown).
     """
 
     loss: torch.Tensor
@@ -173,6 +174,10 @@ def train_step(
     with step_kwargs(opt, **kwargs) if ours else contextlib.nullcontext():
         engine.step()
     loss_nonfinite, skipped, stop = read_outcome(engine, opt, flags, skipped_before)
+    if grad_norm is not None and skipped and prec.loss_scaler is not None and not loss_nonfinite:
+        # an fp16 overflow: the scaled gradients left fp16's range (inf, or NaN where infinities met), so
+        # the unscaled norm is unknown; reported as inf whichever the sum gave
+        grad_norm = torch.full_like(grad_norm, float("inf"))
     record_skip(state, prec, skipped, loss_nonfinite, max_nonfinite_in_row)
     state.step += 1
     state.samples += passes.samples

@@ -29,6 +29,10 @@ from typing import Any, Iterator
 import torch
 
 from . import checkpoint
+from . import resume as resume_settings
+from .batchnorm import average_batchnorm_stats
+from .benchmark.training import benchmark_metrics
+from .benchmark.training import check_tokenizer as check_benchmark_tokenizer
 from .checkpoint import CheckpointError
 from .config import TrainConfig, parse_args
 from .data import build_train_loader, read_captions
@@ -41,6 +45,7 @@ from .memory import live_bytes_per_param
 from .metrics import MetricsLogger, peak_memory_bytes
 from .numerics import NumericsMonitor, build_numerics
 from .export import Imported, read_pretrained
+from .export.masters import set_live_masters
 from .model import CLIPConfig, check_tokenizer_fits, create_model
 from .optimizer import describe_groups, lr_at
 from .precision import ConfigError, Precision, read_ds_config, resolve_precision, slow_bf16_on_cpu
@@ -116,22 +121,29 @@ def set_up(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
     """Everything before the first step (a failure here is a failed start): the run's files, its
     tokenizer, model, engine, loader and EMA, and the resumed state."""
     rank, world = rank_world()
+    previous = resume_settings.previous_config(run_dir, cfg.resume)  # before it is rewritten (recipe/resume.py)
     if rank == 0:
         prepare_run_dir(run_dir, cfg.to_dict(), ds_config)
     barrier()
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     imported = read_init_from(cfg, run_dir)
     tokenizer = get_tokenizer(cfg, run_dir, imported)
+    check_benchmark_tokenizer(cfg.eval_benchmark, cfg.benchmark_root, tokenizer)  # its context holds the templates
     model = build_model(cfg, tokenizer, run_dir, imported)
     slow = slow_bf16_on_cpu(model, prec, on_cpu=not torch.cuda.is_available())
     if slow:
         say(slow)
     engine, opt, group_params = build_engine(model, cfg, prec, ds_config)
+    if imported is not None:  # mastered groups start from the source's exact fp32 values, not their rounding
+        note = set_live_masters(engine, imported.state_dict).note(cfg.model.init_from)
+        if note:
+            say(note)
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     loader = build_train_loader(cfg.data, tokenizer, model.image_data_config(), micro, rank, world, cfg.seed)
     total = cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * len(loader) / accum))
     ema = build_ema(engine, cfg)  # --ema-decay: the average starts from the weights before the first step
-    state = restore(engine, run_dir, cfg.resume, loader, prec, ema) if cfg.resume else TrainState()
+    state = (restore(engine, run_dir, cfg.resume, loader, prec, ema, cfg=cfg, opt=opt, previous=previous)
+             if cfg.resume else TrainState())
     return Session(tokenizer, model, engine, opt, group_params, loader, total, ema, state)
 
 
@@ -185,7 +197,7 @@ def run_steps(cfg: TrainConfig, prec: Precision, run_dir: Path, stop: StopReques
         if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < total and not result.stop:
             log.log(state.step, run_eval(engine, cfg, tokenizer, ema), kind="eval")
         if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == total or result.stop:
-            tag_dir = save(engine, run_dir, state, loader, prec, ema)
+            tag_dir = save(engine, run_dir, state, loader, prec, ema, settings=resume_settings.record(cfg))
         if result.stop:
             log.close()
             loader.close()
@@ -336,8 +348,10 @@ def build_model(cfg: TrainConfig, tokenizer: Any, run_dir: Path, imported: Impor
 
 
 def save(engine: Any, run_dir: Path, state: TrainState, loader: Any, prec: Precision,
-         ema: ModelEMA | None = None) -> Path:
+         ema: ModelEMA | None = None, settings: dict[str, Any] | None = None) -> Path:
     client = {"state": state.__dict__.copy(), "data": loader.state_dict(), "rng": checkpoint.rng_state()}
+    if settings is not None:  # what a resume compares its flags with (recipe/resume.py)
+        client["settings"] = settings
     if prec.loss_scaler is not None:
         client["loss_scaler"] = prec.loss_scaler.state_dict()
     if ema is not None:
@@ -346,22 +360,31 @@ def save(engine: Any, run_dir: Path, state: TrainState, loader: Any, prec: Preci
 
 
 def restore(engine: Any, run_dir: Path, resume: str, loader: Any, prec: Precision,
-            ema: ModelEMA | None = None) -> TrainState:
+            ema: ModelEMA | None = None, *, cfg: TrainConfig | None = None, opt: Any = None,
+            previous: dict[str, Any] | None = None) -> TrainState:
     """The state of the checkpoint ``resume`` names, loaded into the engine, loader and EMA. A run
     that has no complete checkpoint yet (it failed or was killed before its first save) starts again
-    from step 0 under ``--resume latest``."""
+    from step 0 under ``--resume latest``. With ``cfg`` and ``opt``, settings that differ from the
+    checkpoint's are applied (each said in one line) or refused (:mod:`recipe.resume`; ``previous``: the
+    run's ``config.json`` before this start)."""
     if resume == "latest" and not checkpoint.complete_checkpoints(run_dir / "checkpoints"):
         say(f"{run_dir} has no complete checkpoint yet: starting it again from step 0 "
             "(the metrics rows of the steps it repeats are replaced)")
         return TrainState()
     tag_dir = checkpoint.resolve(resume, run_dir / "checkpoints")
-    client = checkpoint.load(engine, tag_dir)
+    changed: list[str] = []
+    if cfg is not None and opt is not None:
+        client = resume_settings.load(engine, opt, tag_dir, cfg, run_dir, previous, changed.append)
+    else:
+        client = checkpoint.load(engine, tag_dir)
     loader.load_state_dict(client["data"])
     checkpoint.set_rng_state(client["rng"])
     if prec.loss_scaler is not None:
         prec.loss_scaler.load_state_dict(client["loss_scaler"])
     state = TrainState(**client["state"])
     say(f"resumed from step {state.step} (checkpoint {tag_dir})")
+    for line in changed:  # "--image-lr changed 0.002 -> 0.001 on resume: applied"
+        say(line)
     if client.get("resharded_from"):  # elastic resume: another world size (recipe/elastic.py)
         say(f"elastic resume: checkpoint of {client['resharded_from']} ranks re-sharded onto {rank_world()[1]}; "
             f"the data continues at epoch {loader.epoch} with the samples not yet read")
@@ -384,14 +407,21 @@ def run_eval(engine: Any, cfg: TrainConfig, tokenizer: Any, ema: ModelEMA | None
     """Retrieval and zero-shot metrics on the validation data, and zero-shot classification of
     ``--zeroshot-data`` (e.g. ``--zeroshot imagenet``: ``imagenet_top1``...); every rank embeds its share.
     With ``--ema-decay`` the EMA weights are evaluated too, their metrics prefixed ``ema_``."""
-    if not (cfg.data.val_data or cfg.data.zeroshot_data):
+    if not (cfg.data.val_data or cfg.data.zeroshot_data or cfg.eval_benchmark):
         return {}
     rank, world = rank_world()
+    average_batchnorm_stats(engine.module, ema)  # one model evaluated: the ranks' BatchNorm statistics averaged
     model = eval_module(engine, tokenizer)
     metrics = evaluate_data(model, cfg.data, tokenizer, cfg.eval_batch_size, rank, world)
+    if cfg.eval_benchmark:  # CLIP_benchmark's datasets (recipe/benchmark/): benchmark_<dataset>_<metric>
+        metrics.update(benchmark_metrics(model, tokenizer, cfg.eval_benchmark, cfg.benchmark_root,
+                                         cfg.eval_batch_size, cfg.data.eval_workers))
     if ema is not None:
         with ema.eval_module(tokenizer) as averaged:
             found = evaluate_data(averaged, cfg.data, tokenizer, cfg.eval_batch_size, rank, world)
+            if cfg.eval_benchmark:
+                found.update(benchmark_metrics(averaged, tokenizer, cfg.eval_benchmark, cfg.benchmark_root,
+                                               cfg.eval_batch_size, cfg.data.eval_workers))
         metrics.update({f"ema_{k}": v for k, v in found.items()})
     return metrics
 

@@ -81,7 +81,7 @@ def test_demo_defaults_are_overridden_by_arguments_relative_to_the_caller(work: 
     run = work / "runs" / "demo"
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["data"]["train_data"] == str(work / "data" / "train.csv") and cfg["data"]["val_data"]
-    assert cfg["steps"] == 4 and cfg["optim"]["lr"] == 2e-3 and cfg["model"]["preset"] == "tiny"
+    assert cfg["steps"] == 4 and cfg["optim"]["lr"] == 2e-3 and cfg["model"]["preset"] == "tiny-clip"
     assert not (ROOT / "runs" / "demo").exists()
     final = json.loads((run / "final_metrics.json").read_text())
     assert final["steps"] == 4 and 0 <= final["zeroshot_top1"] <= 1

@@ -28,7 +28,9 @@ What is exact (same normalised fp32 embeddings up to float rounding, same logit 
 * Preprocessing: ``CLIPImageProcessor`` with the run's mean, std, resample, resize of the shorter
   side to ``floor(size / crop_pct)`` and centre crop (timm's evaluation transform, ``crop_mode``
   ``center``). The parameters are the same; the resampling code differs (transformers resizes tensors,
-  timm PIL images), so pixels may differ slightly.
+  timm PIL images), so pixels may differ slightly, and transformers puts the crop at ``floor(margin / 2)``
+  where timm rounds half to even: one pixel off for margins of 3 mod 4 (at ``crop_pct`` 0.9 a 32-pixel
+  crop's shorter side: 35 - 32).
 
 Refused (:class:`recipe.export.UnsupportedExport`, naming everything missing): non-ViT image towers
 (ResNet, ConvNeXt, ...), ViTs without pre-norm (e.g. ``vit_tiny_patch16_224``, the ``tiny`` preset:
@@ -42,6 +44,8 @@ representable by timm's ``vit_base_patch32_clip_224`` (or ``..._quickgelu_224``)
 ``image_size`` and timm's ``patch_size``/``embed_dim``/``depth``/``num_heads``/``mlp_ratio`` where they
 differ from ViT-B/32 (``act_layer`` for tanh-GELU) and LayerNorm eps 1e-5, and the built-in ``clip-text``
 tower with the HF text config's fields as overrides (so the run's ``model_config.json`` is self-contained).
+The image processor's mean, std, crop fraction and ``resample`` (as the data pipeline's interpolation: PIL's
+0-5, ``nearest`` ... ``hamming``) become the image tower's data config.
 OpenAI's ViT-B/32 reads as ``vit_base_patch32_clip_quickgelu_224`` with no timm kwargs.
 """
 
@@ -525,12 +529,19 @@ def _image_config(vision: Any, processor: dict[str, Any]) -> ImageTowerConfig:
         crop_pct = crop / short
         while math.floor(crop / crop_pct) < short:  # timm resizes to floor(size / crop_pct)
             crop_pct = math.nextafter(crop_pct, 0.0)
-    if not short or crop != size or processor.get("resample", 3) != 3 or not processor.get("do_center_crop", True):
-        logger.warning("the image processor (crop %s, resample %s) differs from the recipe's evaluation transform "
-                       "(centre crop of %s, bicubic); the recipe uses its own", crop, processor.get("resample"), size)
+    if not short or crop != size or not processor.get("do_center_crop", True):
+        logger.warning("the image processor (crop %s) differs from the recipe's evaluation transform (centre crop of "
+                       "%s); the recipe uses its own", crop, size)
+    # the processor's PIL filter (CLIPImageProcessor's default: bicubic) resizes the recipe's images too
+    resample = processor.get("resample", _PIL_RESAMPLE["bicubic"])
+    interpolation = {v: k for k, v in _PIL_RESAMPLE.items()}.get(resample)
+    if interpolation is None:
+        logger.warning("the image processor's resample %r is no PIL filter (0-5): the recipe resizes bicubic", resample)
+        interpolation = "bicubic"
     # image_size (not timm's img_size) so that ``--image-size`` agrees; timm gets it as img_size
     return ImageTowerConfig(_TIMM_QUICKGELU if act == "quick_gelu" else _TIMM_GELU, image_size=size,
-                            mean=tuple(mean), std=tuple(std), crop_pct=crop_pct, timm_kwargs=kwargs)
+                            mean=tuple(mean), std=tuple(std), crop_pct=crop_pct, timm_kwargs=kwargs,
+                            interpolation=interpolation)
 
 
 def read(directory: Path) -> Imported:

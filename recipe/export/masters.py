@@ -35,6 +35,10 @@ before the first optimizer step, or whose every step was skipped), are absent fr
 
 Every layout mismatch or unreadable file is a :class:`recipe.checkpoint.CheckpointError` naming the
 file. The files are memory-mapped, so the optimizer state is not read into memory all at once.
+
+The other direction, into a live engine: :func:`set_live_masters` gives the optimizer of a run that
+starts from fp32 weights (``--init-from``) those weights as its exact masters, so that an export read
+back by ``--init-from`` and exported again is the same bit for bit.
 """
 
 from __future__ import annotations
@@ -45,18 +49,20 @@ import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from optim.master16 import join_master
+from optim.master16 import join_master, split_master
 
 from ..checkpoint import COMPLETE, CheckpointError, read_file
-from ..elastic import base_states, join_pieces, saved_world_size, zero_files
+from ..elastic import base_states, cut_pieces, join_pieces, saved_world_size, zero_files
 from ..param_groups import param_groups, tower_of
 
-__all__ = ["read_masters", "has_optimizer_state", "MODEL_STATES", "ZERO3_MODEL_STATES"]
+__all__ = ["read_masters", "has_optimizer_state", "set_live_masters", "LiveMasters", "MODEL_STATES",
+           "ZERO3_MODEL_STATES"]
 
 #: DeepSpeed's module file under ZeRO 0-2 (ZeRO-0: also the client optimizer's full state).
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -362,3 +368,173 @@ def _locked(model: Any, image: bool, unlocked_groups: int, text: bool) -> Iterat
         if image and visual is not None:
             visual.frozen_norms = norms
             visual.train(visual.training)
+
+
+# --------------------------------------------------------------------------------------------------
+# into a live engine: the exact fp32 masters of a run's start
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LiveMasters:
+    """What :func:`set_live_masters` did.
+
+    Attributes:
+        mastered: The parameters whose optimizer keeps an fp32 copy, which now holds the source's value
+            bit for bit.
+        rounded: The other tensors (parameters of SR groups, frozen parameters, buffers) whose source
+            value the half-precision module could not hold: it was rounded (to nearest even).
+        without_master: How many tensors with a source value keep no fp32 copy (``rounded`` among them).
+        dtype: The module's dtype of the first rounded tensor (``None`` when none was rounded).
+    """
+
+    mastered: tuple[str, ...]
+    rounded: tuple[str, ...]
+    without_master: int
+    dtype: torch.dtype | None
+
+    def note(self, source: str) -> str | None:
+        """The run's one line about the rounded tensors (``None`` when none was rounded)."""
+        if not self.rounded:
+            return None
+        dtype = str(self.dtype).replace("torch.", "")
+        return (f"--init-from {source}: {len(self.rounded)} of the {self.without_master} tensors that keep no fp32 "
+                f"master here (stochastic-rounding groups, frozen parameters, buffers) were rounded from its fp32 "
+                f"values to {dtype}; the {len(self.mastered)} parameters of mastered groups start from them exactly")
+
+
+@torch.no_grad()
+def set_live_masters(engine: Any, values: dict[str, torch.Tensor]) -> LiveMasters:
+    """Makes the fp32 ``values`` (by parameter name; the fp32 weights a run starts from) the exact masters
+    of every parameter whose optimizer keeps an fp32 copy, and the module weights what the optimizer's
+    rounding of them is (for the split master: the high half, ties away from zero, where the cast to
+    bf16 rounded ties to even). Every rank calls it after ``deepspeed.initialize`` and before the first
+    step, with the same ``values``.
+
+    The fp32 copy is SRAdamW's master of a mastered group (:meth:`optim.SRAdamW.set_master`), set on
+    the tensors SRAdamW updates: the module's own under ZeRO-0, this rank's flat partition of each group
+    under ZeRO-1/2 (parameters in DeepSpeed's flat order with its alignment padding) and of each
+    sub-group under ZeRO-3 (each parameter's piece). DeepSpeed's own fp32 partitions (bf16 ZeRO-1/2/3
+    without ``bf16_master_weights_and_grads``) and fp32 runs are exact too. A flat group that holds a
+    parameter without a value (e.g. a SigLIP bias the source lacks) is left as it is.
+
+    Raises:
+        ValueError: A value whose shape is not its parameter's.
+    """
+    module = engine.module
+    params = dict(module.named_parameters())
+    for name, v in values.items():
+        p = params.get(name)
+        shape = tuple(p.ds_shape if hasattr(p, "ds_shape") else p.shape) if p is not None else None
+        if p is not None and tuple(v.shape) != shape:
+            raise ValueError(f"the fp32 value of {name} has shape {tuple(v.shape)}, the parameter {shape}")
+    stage = int(engine.zero_optimization_stage())
+    if stage == 0:
+        mastered = _set_zero0(engine.optimizer, params, values)
+    elif stage >= 3:
+        mastered = _set_zero3(engine, values)
+    else:
+        mastered = _set_zero12(engine, values)
+    done = set(mastered)
+    without, rounded, dtype = 0, [], None
+    tensors = {**params, **dict(module.named_buffers())}
+    for name, v in values.items():
+        t = tensors.get(name)
+        if t is None or name in done or not t.is_floating_point():
+            continue
+        without += 1
+        if t.dtype != torch.float32 and not torch.equal(v.to(t.dtype).to(torch.float32), v.to(torch.float32)):
+            rounded.append(name)
+            dtype = dtype or t.dtype
+    order = [n for n in params if n in done]
+    return LiveMasters(tuple(order), tuple(rounded), without, dtype)
+
+
+def _value32(values: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    return values[name].detach().to(torch.float32).reshape(-1)
+
+
+def _keeps_master(group: dict[str, Any], p: torch.Tensor) -> bool:
+    """Whether SRAdamW keeps an fp32 copy of ``p``: a float32 tensor, or a group with masters."""
+    return p.dtype == torch.float32 or bool(group.get("master_weights"))
+
+
+def _set_zero0(opt: Any, params: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> list[str]:
+    """ZeRO-0: SRAdamW updates the module's own tensors."""
+    names = {id(p): n for n, p in params.items()}
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            name = names.get(id(p))
+            if name in values and _keeps_master(group, p):
+                opt.set_master(p, _value32(values, name))
+                out.append(name)
+    return out
+
+
+def _module_value(opt: Any, flat: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """What the module weight of a parameter whose fp32 master is ``value`` is after
+    :meth:`optim.SRAdamW.set_master` on its flat tensor ``flat``: the split master's high half, else the
+    value (cast to the module's dtype by the copy: round to nearest even, as the optimizer's copy)."""
+    if "master_low" in opt.state.get(flat, {}):
+        return split_master(value)[0]
+    return value
+
+
+def _set_zero12(engine: Any, values: dict[str, torch.Tensor]) -> list[str]:
+    """ZeRO-1/2: this rank's partition of each flat group (elastic's layout), and the full module."""
+    zo = engine.optimizer
+    opt = zo.optimizer
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out = []
+    for i, group in enumerate(opt.param_groups):
+        flat = group["params"][0]
+        members = [names[id(p)] for p in zo.round_robin_bit16_groups[i]]
+        if not _keeps_master(group, flat) or any(n not in values for n in members):
+            continue
+        pieces = []
+        for name, pad in zip(members, zo.round_robin_bit16_padding[i]):
+            pieces += [_value32(values, name), torch.zeros(int(pad), dtype=torch.float32)]
+        full = torch.cat(pieces)
+        pid = torch.distributed.get_rank(group=zo.real_dp_process_group[i])
+        size, pad = int(zo.partition_size[i]), int(zo.groups_padding[i])
+        part = torch.zeros(size, dtype=torch.float32)
+        part[: size - pad] = full[pid * size : pid * size + size - pad]
+        opt.set_master(flat, part)
+        for p, name in zip(zo.round_robin_bit16_groups[i], members):  # every rank holds the full module
+            p.data.copy_(_module_value(opt, flat, _value32(values, name)).reshape(p.shape))
+        out += members
+    return out
+
+
+def _set_zero3(engine: Any, values: dict[str, torch.Tensor]) -> list[str]:
+    """ZeRO-3: this rank's pieces of each sub-group's parameters (elastic's layout); the module's
+    partitioned weights through DeepSpeed's gather-and-modify context."""
+    import deepspeed
+
+    zo = engine.optimizer
+    opt = zo.optimizer
+    pid = torch.distributed.get_rank(group=zo.dp_process_group)
+    world = torch.distributed.get_world_size(group=zo.dp_process_group)
+    names = engine.param_names
+    out, module_values = [], {}
+    for sub, members in enumerate(zo.fp16_groups):
+        flat = zo.fp32_partitioned_groups_flat[sub]
+        group = opt.param_groups[zo.sub_group_to_group_id[sub]]
+        member_names = [names[p] for p in members]
+        if not _keeps_master(group, flat) or any(n not in values for n in member_names):
+            continue
+        held, group["params"] = group["params"], [flat]  # DeepSpeed lists a sub-group's tensor only for its step
+        try:
+            opt.set_master(flat, cut_pieces([_value32(values, n) for n in member_names], pid, world))
+        finally:
+            group["params"] = held
+        for p, name in zip(members, member_names):
+            module_values[p] = _module_value(opt, flat, _value32(values, name))
+        out += member_names
+    changed = list(module_values)
+    if changed:
+        with deepspeed.zero.GatheredParameters(changed, modifier_rank=0):
+            for p, v in module_values.items():
+                p.data.copy_(v.reshape(p.shape))
+    return out

@@ -44,15 +44,18 @@ unescaping, whitespace runs collapsed and stripped) and for captions holding the
 Preprocessing: mean, std, size and interpolation are carried with ``resize_mode`` ``shortest`` (resize the
 shorter side, centre crop), timm's evaluation transform at ``crop_pct`` 1.0 as the presets use. open_clip
 has no crop fraction: another ``crop_pct`` or crop mode (or an interpolation other than bicubic/bilinear)
-is exported with a warning, also kept in ``recipe.notes``. The logit scale is carried (0-d in open_clip).
+is exported with a warning, also kept in ``recipe.notes``. The logit scale is carried (0-d in open_clip), and
+``--patch-dropout`` as ``vision_cfg.patch_dropout`` (open_clip's native ViT and TimmModel drop patches in training
+only, as the recipe's towers do; reading carries it back).
 
 :func:`~recipe.export.open_clip_read.read` takes these directories and open_clip's own ones with native ViT /
 timm image towers and native CLIP / HF text towers, and a Hugging Face tokenizer in the directory (open_clip's
 built-in CLIP BPE is refused); weights come back fp32. The recorded recipe config is used when it still yields
 ``model_cfg``; otherwise a native ViT becomes ``vit_base_patch32_clip_224`` (LayerNorm eps 1e-5) or
 ``vit_base_patch16_224`` (1e-6) with size kwargs (a zero patch bias), a native text tower ``clip-text`` with
-overrides, an HF tower the config in ``DIR`` (the recipe config then names that directory), ``crop_pct`` 1.0,
-and timm's default interpolation for the model.
+overrides, an HF tower the config in ``DIR`` (held in the recipe config itself, ``transformers:<model_type>`` with
+overrides, as is a recorded config's HF tower: a run started from the directory never reads it again), ``crop_pct``
+1.0, and the interpolation of ``preprocess_cfg`` (timm's default for the model where it has none).
 """
 
 from __future__ import annotations
@@ -272,6 +275,8 @@ def _model_cfg(plan: Plan, model: CLIP, context_length: int) -> dict[str, Any]:
                       timm_proj_bias=cfg.proj_bias, image_size=_size(*model.image_data_config()["input_size"][1:]))
         if "drop_path_rate" in cfg.image.timm_kwargs:
             vision["timm_drop_path"] = cfg.image.timm_kwargs["drop_path_rate"]
+    if cfg.image.patch_dropout:  # --patch-dropout: open_clip's ViT and TimmModel take it (FLIP), in training only
+        vision["patch_dropout"] = cfg.image.patch_dropout
     tcfg = model.text.config
     text: dict[str, Any] = dict(context_length=context_length, vocab_size=tcfg.vocab_size, hf_tokenizer_name=".")
     if plan.text == "native":

@@ -14,6 +14,7 @@ import torch
 
 from .. import encoders
 from ..encoders import TEXT_CONFIGS
+from ..image_tower import INTERPOLATIONS
 from ..model import CLIP, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, CLIPConfig, ImageTowerConfig, TextTowerConfig, create_model
 from ..tokenizer import Tokenizer, load_tokenizer
 from . import Imported, UnsupportedExport
@@ -51,6 +52,10 @@ def _refuse(what: str) -> UnsupportedExport:
 
 def _derive_image(vc: dict[str, Any], quick: bool, pre: dict[str, Any]) -> tuple[ImageTowerConfig, bool]:
     mean, std = tuple(pre.get("mean", OPENAI_CLIP_MEAN)), tuple(pre.get("std", OPENAI_CLIP_STD))  # open_clip's defaults
+    # the preprocessing's filter (timm's default for the model where none is named) and the training setting
+    # --patch-dropout records (both towers of open_clip take it)
+    interpolation = pre.get("interpolation") if pre.get("interpolation") in INTERPOLATIONS else None
+    extra = dict(interpolation=interpolation, patch_dropout=float(vc.get("patch_dropout") or 0.0))
     if vc.get("timm_model_name"):
         if vc.get("timm_proj", "linear") != "linear":
             raise _refuse(f"timm_proj {vc['timm_proj']!r} (the recipe projects linearly)")
@@ -58,7 +63,7 @@ def _derive_image(vc: dict[str, Any], quick: bool, pre: dict[str, Any]) -> tuple
         size = vc.get("image_size", 224)
         size = size if isinstance(size, int) else tuple(size)
         return ImageTowerConfig(vc["timm_model_name"], image_size=size, mean=mean, std=std, crop_pct=1.0,
-                                timm_kwargs=kwargs), bool(vc.get("timm_proj_bias", False))
+                                timm_kwargs=kwargs, **extra), bool(vc.get("timm_proj_bias", False))
     defaults = dict(layers=12, width=768, head_width=64, mlp_ratio=4.0, patch_size=16, image_size=224, pool_type="tok")
     vc = {**defaults, **vc}
     for key in _NOT_IN_RECIPE:
@@ -77,7 +82,7 @@ def _derive_image(vc: dict[str, Any], quick: bool, pre: dict[str, Any]) -> tuple
                   pre_norm=not vc.get("no_ln_pre", False))
     if _TIMM_ACTS[act]:
         kwargs["act_layer"] = _TIMM_ACTS[act]
-    return ImageTowerConfig(names[eps], mean=mean, std=std, crop_pct=1.0, timm_kwargs=kwargs), False
+    return ImageTowerConfig(names[eps], mean=mean, std=std, crop_pct=1.0, timm_kwargs=kwargs, **extra), False
 
 
 def _derive_text(tc: dict[str, Any], quick: bool, hf_dir: Path | None, tok: Tokenizer) -> tuple[TextTowerConfig, bool]:
@@ -93,7 +98,9 @@ def _derive_text(tc: dict[str, Any], quick: bool, hf_dir: Path | None, tok: Toke
             raise _refuse(f"{hcfg.model_type} with {tc.get('hf_pooler_type')} and {tc.get('hf_proj_type', 'mlp')} "
                           "projection (it reads cls_last_hidden_state/mean poolers with a linear projection)")
         ctx = int(hcfg.max_position_embeddings) - encoders._position_offset(hcfg)
-        return TextTowerConfig(str(hf_dir.absolute()), pooling=pooling, context_length=ctx), False
+        # the config itself, not its directory: a run started from it needs the directory no more
+        name, overrides = encoders.self_contained_text_config(hcfg)
+        return TextTowerConfig(name, pooling=pooling, overrides=overrides, context_length=ctx), False
     tc = {**dict(context_length=77, vocab_size=49408, width=512, heads=8, layers=12, mlp_ratio=4.0,
                  pool_type="argmax", eos_id=2, pad_id=0), **tc}
     for key in _NOT_IN_RECIPE:
@@ -131,17 +138,21 @@ def _stored_config(doc: dict[str, Any], hf_dir: Path | None, tok: Tokenizer) -> 
         return None
     try:
         config = CLIPConfig.from_dict(stored)
-        if config.text.name not in TEXT_CONFIGS:
+        if config.text.name not in TEXT_CONFIGS and not config.text.name.startswith(encoders.MODEL_TYPE_PREFIX):
             if hf_dir is None:
                 return None
-            config.text.name = str(hf_dir.absolute())
+            # the exported tower's config (overrides applied), held in the config itself: see _derive_text
+            from transformers import AutoConfig
+
+            hcfg = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+            config.text.name, config.text.overrides = encoders.self_contained_text_config(hcfg)
         with torch.device("meta"):
             model = create_model(config=config, text_load_weights=False)
         plan = check(config, tok, visual=model.visual)
         ctx = doc["model_cfg"]["text_cfg"].get("context_length", tok.context_length)
         if _strip_paths(_model_cfg(plan, model, ctx)) != _strip_paths(doc["model_cfg"]):
             return None
-    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+    except (ValueError, KeyError, TypeError, OSError) as e:
         logger.info("recorded recipe config not used: %s", e)
         return None
     return config, model

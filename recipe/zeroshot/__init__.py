@@ -71,9 +71,10 @@ class ZeroShotPrompts:
         if self.folders is not None and len(set(self.folders)) != len(self.folders):
             raise ValueError("folder names of the classes must be unique")
 
-    def prompts(self) -> list[list[str]]:
-        """``prompts()[i]`` are the prompts of class ``i``, one per template."""
-        return [[t.replace("{c}", c).replace("{}", c) for t in self.templates] for c in self.classnames]
+    def prompts(self, start: int = 0, stop: int | None = None) -> list[list[str]]:
+        """``prompts()[i]`` are the prompts of class ``i``, one per template; ``prompts(a, b)`` those of
+        classes ``a .. b-1``."""
+        return [[t.replace("{c}", c).replace("{}", c) for t in self.templates] for c in self.classnames[start:stop]]
 
     def class_index(self) -> dict[str, int] | None:
         """``{folder name: class index}``; None when the classes are not named by folder."""

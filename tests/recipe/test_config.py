@@ -192,7 +192,7 @@ def test_help_lists_presets_and_text_towers_from_their_registries(monkeypatch: p
     assert "tiny-2" in helps()["preset"] and "bert-tiny-2" in helps()["text_encoder"]
     cfg = parse_args(["--deepspeed_config", DS, "--preset", "tiny-2", "--text-encoder", "bert-tiny-2"])
     assert (cfg.model.preset, cfg.model.text_encoder) == ("tiny-2", "bert-tiny-2")
-    with pytest.raises(ValueError, match="unknown preset 'ViT-Z-99'; choose from ViT-B-32, tiny, tiny-resnet, tiny-convnext, tiny-2"):
+    with pytest.raises(ValueError, match="unknown preset 'ViT-Z-99'; choose from ViT-B-32, tiny, tiny-clip, tiny-resnet, tiny-convnext, tiny-2"):
         parse_args(["--deepspeed_config", DS, "--preset", "ViT-Z-99"])
 
 

@@ -40,6 +40,7 @@ STEPS, MICRO, N_VAL = 2, 2, 4
 MODELS: dict[str, tuple[dict[str, Any], int]] = {
     "ViT-B-32": ({"preset": "ViT-B-32", "image_size": 32}, 32),
     "tiny": ({"preset": "tiny"}, 32),
+    "tiny-clip": ({"preset": "tiny-clip"}, 32),
     "tiny-resnet": ({"preset": "tiny-resnet"}, 32),
     "tiny-convnext": ({"preset": "tiny-convnext"}, 32),
     "resnet18": ({"preset": None, "image_encoder": "resnet18", "text_encoder": "bert-tiny", "image_size": 32}, 32),

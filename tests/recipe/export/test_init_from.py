@@ -13,7 +13,7 @@ import torch
 import recipe.train as T
 from recipe import checkpoint
 from recipe.config import config_from_dict, parse_args
-from recipe.export import detect_format, export_run
+from recipe.export import detect_format, export_run, read_pretrained
 
 from ...dist_utils import run_distributed
 from ..test_train import ENV, _train_worker, ds_json, train_cfg
@@ -130,3 +130,133 @@ def test_export_then_init_from_then_export_gives_identical_weights(
     a, b = load_file(first / weights), load_file(second / weights)
     assert a.keys() == b.keys() and len(a) > 10
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------------------------------------
+# bf16 runs: export -> --init-from -> export keeps the fp32 masters bit for bit
+# --------------------------------------------------------------------------------------------------
+
+#: The one line a bf16 run started from fp32 weights writes about the tensors it had to round.
+ROUNDED_NOTE = "tensors that keep no fp32 master here"
+
+
+def _train_export_worker(rank: int, world: int, chain: list[tuple[dict, str]]) -> list[str]:
+    """Trains each config in turn, rank 0 exporting its run (open_clip, the default fp32 masters) to the
+    directory given before the next starts (which may start from that export); returns what each
+    training wrote to stderr."""
+    import contextlib
+    import io
+
+    from recipe.config import config_from_dict
+
+    logs = []
+    for cfg, export_to in chain:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            T.train(config_from_dict(cfg))
+        logs.append(err.getvalue())
+        if rank == 0:
+            export_run(cfg["output_dir"], "open_clip", export_to)
+        torch.distributed.barrier()
+    return logs
+
+
+def _is_mastered(open_clip_key: str) -> bool:
+    """The tiny preset's mastered groups in the open_clip export: the image tower and the logit scale."""
+    return open_clip_key.startswith("visual.") or open_clip_key == "logit_scale"
+
+
+@pytest.fixture(scope="module", params=["zero0_bf16_sr.json", "zero2_bf16_halfmaster.json",
+                                        "zero3_bf16_halfmaster.json"])
+def bf16_chain(request: pytest.FixtureRequest, data: Path, tokenizer, tmp_path_factory) -> dict:
+    """On 2 ranks: the export of an fp32 model (no weight a bf16 value) -> ``--init-from`` 1 step at lr 0 ->
+    export -> ``--init-from`` 1 step at lr 0 -> export."""
+    from recipe.model import create_model
+
+    tmp = tmp_path_factory.mktemp(request.param.split(".")[0])
+    torch.manual_seed(4)
+    model = create_model("tiny", tokenizer=tokenizer)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    first = export_run(save_run(model, tokenizer, tmp / "src"), "open_clip", tmp / "first")
+    ds = ds_json(tmp, request.param)
+
+    def start(name: str, init: Path) -> dict:
+        cfg = train_cfg(data, tmp / name, ds, steps=1, model={"init_from": str(init), "preset": None},
+                        optim={"lr": 0.0, "warmup_steps": 0})
+        cfg["data"]["val_data"] = None
+        return cfg
+
+    chain = [(start("ft1", first), str(tmp / "second")), (start("ft2", tmp / "second"), str(tmp / "third"))]
+    logs = run_distributed(_train_export_worker, 2, chain, init_process_group=False, env=ENV, timeout_s=900)[0]
+    return {"model": model, "tmp": tmp, "logs": logs, "exports": [first, tmp / "second", tmp / "third"]}
+
+
+def test_export_init_from_export_keeps_the_fp32_masters_bit_for_bit(bf16_chain: dict) -> None:
+    """The mastered groups start from the export's exact fp32 values (not their bf16 rounding), so the
+    next export holds them again bit for bit; the SR groups' rounding of the fp32 source is said once.
+    From there (SR weights now bf16 values) the round trip is bit for bit in every tensor, and says nothing."""
+    from safetensors.torch import load_file
+
+    from recipe.param_groups import tower_of
+
+    a, b, c = (load_file(d / "open_clip_model.safetensors") for d in bf16_chain["exports"])
+    assert a.keys() == b.keys() == c.keys()
+    mastered = [k for k in a if _is_mastered(k)]
+    assert len(mastered) > 10 and len(a) - len(mastered) > 10
+    assert not any(torch.equal(a[k].bfloat16().float(), a[k]) for k in a)  # a bf16 rounding would show
+    for k in a:
+        want = a[k] if _is_mastered(k) else a[k].bfloat16().float()
+        assert torch.equal(b[k], want), k
+    texts = sum(1 for n, _ in bf16_chain["model"].named_parameters() if tower_of(n) == "text")
+    first, second = bf16_chain["logs"]
+    assert first.count(ROUNDED_NOTE) == 1, first
+    note = next(line for line in first.splitlines() if ROUNDED_NOTE in line)
+    assert f": {texts} of the {texts} tensors" in note and "to bfloat16" in note, note
+    assert all(torch.equal(b[k], c[k]) for k in b), [k for k in b if not torch.equal(b[k], c[k])]
+    assert ROUNDED_NOTE not in second
+
+
+def test_evaluate_weights_master_is_the_exports_module_the_bf16_weights(bf16_chain: dict, data: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m recipe.evaluate --weights master`` (the default) embeds exactly as the export's fp32
+    weights do, ``--weights module`` as the checkpoint's bf16 module weights; the two differ."""
+    import dataclasses
+
+    import recipe.evaluate as E
+    from recipe.model import create_model
+    from recipe.tokenizer import load_tokenizer
+
+    seen: list[torch.Tensor] = []
+    embed_split = E.embed_split
+
+    def embedding(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = embed_split(*args, **kwargs)
+        seen.append(torch.cat([out[0], out[1]]))
+        return out
+
+    monkeypatch.setattr(E, "embed_split", embedding)
+    run = bf16_chain["tmp"] / "ft1"
+    argv = ["--checkpoint", str(run), "--val-data", str(data / "val.csv"), "--no-progress"]
+    metrics = {w: E.main([*argv, *(["--weights", w] if w else [])]) for w in ("", "master", "module")}
+    default, master, module = seen
+    assert torch.equal(default, master) and metrics[""] == metrics["master"]
+    assert not torch.equal(master, module)
+    written = {p.name: json.loads(p.read_text()) for p in run.glob("eval_*.json")}
+    assert sorted(r["weights_source"] for r in written.values()) == ["master", "module"]
+    assert any(name.endswith("_module_step1.json") for name in written)
+
+    # the export's fp32 weights, and the checkpoint's bf16 module weights, evaluated directly
+    imported = read_pretrained(bf16_chain["exports"][1])
+    fp32 = create_model(config=imported.config, text_load_weights=False)
+    fp32.load_state_dict(imported.state_dict)
+    tag = checkpoint.complete_checkpoints(run / "checkpoints")[-1]
+    bf16 = create_model(config=imported.config, text_load_weights=False).to(torch.bfloat16)
+    bf16.load_state_dict(torch.load(tag / checkpoint.MODEL_WEIGHTS, weights_only=True))
+    cfg = dataclasses.replace(config_from_dict(json.loads((run / "config.json").read_text())).data,
+                              val_data=str(data / "val.csv"))
+    for model, want in ((fp32, master), (bf16, module)):
+        seen.clear()
+        E.evaluate_data(model.eval(), cfg, load_tokenizer(run / "tokenizer"), 256)
+        assert torch.equal(seen[0], want)
