@@ -19,7 +19,7 @@ from .config import TrainConfig
 from .param_groups import param_groups
 from .precision import Precision
 
-__all__ = ["build_optimizer", "lr_at", "tower_lr_scales", "describe_groups"]
+__all__ = ["build_optimizer", "lr_at", "tower_lr_scales", "describe_groups", "warmup_note"]
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, prec: Precision) -> SRAdamW:
@@ -103,3 +103,15 @@ def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
         return o.lr
     progress = (step - o.warmup_steps) / max(1, total_steps - o.warmup_steps)
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def warmup_note(cfg: TrainConfig, total_steps: int) -> str | None:
+    """A line for a run that is warm-up from start to end (``--warmup-steps`` >= the run's steps, e.g.
+    the demo's 30 with ``--steps 30``): its learning rate never reaches ``--lr``. None otherwise."""
+    o = cfg.optim
+    if total_steps <= 0 or o.warmup_steps < total_steps:
+        return None
+    return (f"note: --warmup-steps {o.warmup_steps} covers all {total_steps} steps of this run: the learning rate "
+            f"rises to {lr_at(total_steps - 1, cfg, total_steps):.3g} and never reaches --lr {o.lr:g} "
+            f"(give --warmup-steps below --steps, e.g. --warmup-steps {max(1, total_steps // 10)})")
+

@@ -47,7 +47,7 @@ from .numerics import NumericsMonitor, build_numerics
 from .export import Imported, read_pretrained
 from .export.masters import set_live_masters
 from .model import CLIPConfig, check_tokenizer_fits, create_model
-from .optimizer import describe_groups, lr_at
+from .optimizer import describe_groups, lr_at, warmup_note
 from .precision import ConfigError, Precision, read_ds_config, resolve_precision, slow_bf16_on_cpu
 from . import outcome
 from .outcome import Outcome
@@ -166,6 +166,9 @@ def run_steps(cfg: TrainConfig, prec: Precision, run_dir: Path, stop: StopReques
         f"{total} steps, run dir {run_dir}"
     )
     log.write(describe_groups(opt, session.group_params))
+    note = warmup_note(cfg, total)
+    if note:
+        log.write(note)
     # --numerics-every: optimizer step hooks sample the update on the device (recipe/numerics.py)
     numerics = build_numerics(opt, cfg.numerics_every, cfg.log_every, seed=cfg.seed)
     batches, t0, start_samples = _forever(loader), time.perf_counter(), state.samples

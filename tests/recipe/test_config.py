@@ -17,7 +17,7 @@ from recipe.config import TrainConfig, _flag, _leaves, _sections, _unwrap, build
 from recipe.encoders import TEXT_CONFIGS
 from recipe.model import PRESETS
 from recipe.precision import ConfigError, DynamicLossScaler, read_ds_config, resolve_precision
-from recipe.optimizer import lr_at
+from recipe.optimizer import lr_at, warmup_note
 
 ROOT = Path(__file__).resolve().parents[2]
 DS = str(ROOT / "ds_configs" / "zero2_bf16_halfmaster.json")
@@ -220,6 +220,18 @@ def test_warmup_cosine_schedule_against_closed_form() -> None:
         assert lr_at(step, cfg, total) == pytest.approx(ref, rel=1e-12)
     const = config_from_dict({"optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"}})
     assert {lr_at(s, const, 50) for s in range(50)} == {1e-3}
+
+
+@pytest.mark.parametrize("steps, said", [(30, True), (20, True), (31, False), (400, False)])
+def test_a_run_that_is_all_warmup_is_said(steps: int, said: bool) -> None:
+    """The demo's --warmup-steps 30 with --steps 30 never reaches --lr: one line says so, with the peak
+    the schedule reaches (lr_at of the last step) and a warm-up that fits."""
+    cfg = config_from_dict({"optim": {"lr": 2e-3, "warmup_steps": 30}})
+    note = warmup_note(cfg, steps)
+    assert (note is not None) == said
+    if said:
+        assert f"covers all {steps} steps" in note and "--lr 0.002" in note
+        assert f"{lr_at(steps - 1, cfg, steps):.3g}" in note and f"--warmup-steps {max(1, steps // 10)}" in note
 
 
 def load(name: str) -> dict:
