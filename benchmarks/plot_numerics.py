@@ -10,7 +10,7 @@ PNG: one row of panels per run, one panel per metric family, x = step:
 * logit-scale clamp: ``numerics/logit_scale_clamped`` and ``exp(logit_scale) / max_logit_scale`` from
   the train rows (the bound from the run's ``model_config.json``, 100 without it).
 
-The README's fp16 figure::
+The fp16 figure of docs/numerics.md::
 
     OUTPUT_DIR=/tmp/num_fp16 DS_CONFIG=ds_configs/zero0_fp16_sr_lossscale.json \\
         bash launch.sh --steps 200 --log-every 10

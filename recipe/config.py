@@ -529,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     """One flag per leaf field, with the field's help text and default; plus ``--config``."""
     ap = OneLineParser(
         prog="python -m recipe.train",
-        description="Train a CLIP model under DeepSpeed (see README.md, 'Training').",
+        description="Train a CLIP model under DeepSpeed (see docs/training.md).",
         allow_abbrev=False,  # a prefix of one flag must never silently set another
         formatter_class=_NoHyphenBreaks,
     )

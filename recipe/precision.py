@@ -165,7 +165,7 @@ def resolve_precision(ds_config: dict[str, Any]) -> tuple[Precision, dict[str, A
         if stage != 0:
             raise ConfigError(
                 "fp16 SR weights need ZeRO stage 0: DeepSpeed's ZeRO keeps fp32 masters for fp16 "
-                "unless its CPU Adam is used (see README, 'Precision modes')"
+                "unless its CPU Adam is used (see docs/precision.md)"
             )
         clip = _take_over_clipping(cfg)
         reduce = _take_over_reduce_dtype(cfg, torch.float16)

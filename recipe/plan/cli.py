@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m recipe.plan",
         description="Plan micro-batch, accumulation, checkpointing, ZeRO stage and precision route for a run "
-                    "(see README.md, 'Planning a run').",
+                    "(see docs/planning.md).",
         allow_abbrev=False,
     )
     add_field_flags(ap, PlanConfig)

@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: bf16 at ZeRO-0 leads on any number of GPUs: ZeRO-1/2's per-step machinery (per-gradient hooks, bucket
 #: copies, per-gradient norms, the clip pass, the partition copy and weight all-gather) cost 1.07-1.3x
 #: its step time at one rank (CPU, benchmarks/RESULTS.md; 1.29x measured on an H200), and its one bf16
-#: gradient all-reduce per step moves 2/3 of ZeRO-1/2's bytes (README, "Which route for several GPUs").
+#: gradient all-reduce per step moves 2/3 of ZeRO-1/2's bytes (docs/precision.md, "Which route for several GPUs").
 #: ZeRO-1/2/3 come next: they win where the replicated optimizer state does not fit (fewer accumulation
 #: steps or no checkpointing first, see :func:`plan`).
 _CONFIG_ORDER = ("zero0_bf16_sr", "zero2_bf16_halfmaster", "zero1_bf16_halfmaster", "zero3_bf16_halfmaster",

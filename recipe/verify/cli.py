@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m recipe.verify",
         description="Preflight of a run on its cluster: sharded losses against a float64 reference, the "
                     "optimizer's default implementation against its definition, all-gather/reduce-scatter "
-                    "bandwidth, free memory against the planner's prediction (README.md, 'Preflight'). "
+                    "bandwidth, free memory against the planner's prediction (docs/planning.md, 'Preflight'). "
                     "Launch it like the run: bash launch.sh verify [flags].",
         allow_abbrev=False,
     )

@@ -332,7 +332,7 @@ def grad_reference(engine, optimizer, result) -> dict:
 
 
 # (module weights, text: partition + state, image: partition + state) per parameter at N ranks,
-# from the README's table ("Precision modes and bytes per parameter")
+# from the table in docs/precision.md ("Precision modes and bytes per parameter")
 PROMISED = {
     "zero2_bf16_halfmaster": lambda N: (2, (2 / N, 4 / N), (2 / N, 10 / N)),  # split master: 2-byte low half
     "zero0_fp16_sr_lossscale": lambda N: (2, (0, 4), (0, 12)),
@@ -352,7 +352,7 @@ def check_memory_row(r: dict, mode: str, world: int, unaccounted_limit: int = 0)
     assert r["world_size"] == world
     pad = 256 / n  # ZeRO aligns each flat partition: a few elements per group
     weights, sr, master = PROMISED[mode](world)
-    # against recipe.memory.live_bytes_per_param (element counts) and the README's promises
+    # against recipe.memory.live_bytes_per_param (element counts) and docs/precision.md's promises
     live = r["live_bytes_per_param"]
     assert r["weights"] == pytest.approx(live["module_weights"], abs=pad) and r["weights"] == pytest.approx(weights, abs=pad)
     part_state = sum(g["partition"] + g["state"] for g in live["groups"].values())

@@ -88,7 +88,7 @@ def test_load_refuses_what_load_run_refuses(make_run: Any, tmp_path: Path) -> No
 
 
 def test_load_matches_the_open_clip_export(make_run: Any, tmp_path: Path) -> None:
-    """The README's open_clip snippet and recipe.load give the same embeddings on the same PIL images and
+    """The open_clip snippet of docs/export.md and recipe.load give the same embeddings on the same PIL images and
     texts, each side with its own preprocessing and tokenizer."""
     import open_clip
 
@@ -111,7 +111,7 @@ def test_load_matches_the_open_clip_export(make_run: Any, tmp_path: Path) -> Non
 
 def test_load_matches_the_hf_export(make_run: Any, tmp_path: Path) -> None:
     """``CLIPModel`` on ``preprocess``'s pixels gives recipe.load's embeddings; ``CLIPProcessor``'s own pixels
-    are the same for an image at the model's size (crop_pct 1), not for others (README: tensor resampling,
+    are the same for an image at the model's size (crop_pct 1), not for others (docs/export.md: tensor resampling,
     crop offset)."""
     from transformers import CLIPModel, CLIPProcessor
 
