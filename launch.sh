@@ -22,7 +22,7 @@
 # and exit; this script returns once every rank has ended, with 143 when the checkpoint was saved (3
 # and one line naming the lost step when it was not). SIGINT (Ctrl-C) stops every rank at once without
 # saving (130). Whatever fails on whichever rank, the output ends with one `error:` line naming the
-# cause and the log holding the tracebacks (python -m recipe.outcome).
+# cause and the log holding the tracebacks (python -m recipe.run.outcome).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -100,7 +100,7 @@ launcher+=(${MASTER_PORT:+--master_port "$MASTER_PORT"})
 # script alone receives what is sent to its group (`timeout`, a terminal's Ctrl-C) and passes it to
 # the ranks: the `deepspeed` runner does not forward signals on a single node, and its per-node
 # launcher would end the ranks' whole process trees (DataLoader workers included) on a SIGTERM.
-# The ranks announce themselves and leave how they ended in a private directory (recipe/outcome.py).
+# The ranks announce themselves and leave how they ended in a private directory (recipe/run/outcome.py).
 RECIPE_LAUNCH_DIR=$(mktemp -d "${TMPDIR:-/tmp}/recipe-launch.XXXXXX")
 export RECIPE_LAUNCH_DIR
 trap 'rm -rf "$RECIPE_LAUNCH_DIR"' EXIT
@@ -129,5 +129,5 @@ done
 # print the one line that explains the launch and return its status
 expect=0
 [[ -z ${HOSTFILE:-} ]] && expect=$NUM_GPUS
-python -m recipe.outcome "$RECIPE_LAUNCH_DIR" "$status" --expect "$expect" && status=0 || status=$?
+python -m recipe.run.outcome "$RECIPE_LAUNCH_DIR" "$status" --expect "$expect" && status=0 || status=$?
 exit "$status"

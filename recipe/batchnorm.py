@@ -7,7 +7,7 @@ drift apart while the weights stay identical. An evaluation would then mix model
 share of the held-out data with its own statistics), and a checkpoint keeps rank 0's alone (DeepSpeed's
 module state and ``model_weights.pt`` are rank 0's module). :func:`average_batchnorm_stats` replaces
 every rank's statistics by their mean over the ranks; the training loop calls it before each
-evaluation (:func:`recipe.train.run_eval`) and :func:`recipe.checkpoint.save` before each save (the
+evaluation (:func:`recipe.train.run_eval`) and :func:`recipe.run.checkpoint.save` before each save (the
 periodic ones, the save on SIGTERM/SIGUSR1 and the final one), so what is evaluated is the one model
 the checkpoint holds: a 2-rank evaluation during training equals a 1-rank evaluation of the saved
 checkpoint, and a resumed run continues with the statistics the uninterrupted one has.

@@ -43,7 +43,7 @@ weight: 2 for bf16/fp16, 4 for fp32):
 
 The update's temporaries are fp32 copies of one parameter (or partition) at a time.
 
-In a checkpoint the EMA is ``ema_weights.pt`` (:data:`recipe.checkpoint.EMA_WEIGHTS`): a complete
+In a checkpoint the EMA is ``ema_weights.pt`` (:data:`recipe.run.checkpoint.EMA_WEIGHTS`): a complete
 state dict with the model's parameter and buffer names, in the weights' dtype, loadable on its own
 (``python -m recipe.evaluate --ema``, :func:`recipe.export.load_run` with ``ema=True``); the update
 count travels in the rank files' client state.
@@ -279,7 +279,7 @@ class ModelEMA:
         Returns:
             Whether the checkpoint had an EMA.
         """
-        from .checkpoint import EMA_WEIGHTS, CheckpointError
+        from .run.checkpoint import EMA_WEIGHTS, CheckpointError
 
         path = Path(tag_dir) / EMA_WEIGHTS
         if client is None or not path.is_file():

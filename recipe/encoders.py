@@ -176,58 +176,27 @@ def clip_text_config(
     )
 
 
-def _bert_config(width: int, layers: int, heads: int, context_length: int, vocab_size: int) -> PretrainedConfig:
-    from transformers import BertConfig
-
-    return BertConfig(
-        vocab_size=vocab_size,
-        hidden_size=width,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=4 * width,
-        max_position_embeddings=context_length,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=3,
-    )
+# BERT-like encoders' config field names for (width, layers, heads, MLP width, dropout, attention dropout),
+# and their (pad, bos, eos) token ids.
+_BERT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "hidden_dropout_prob", "attention_probs_dropout_prob")
+_ENCODERS: dict[str, tuple[tuple[str, ...], tuple[int, int, int]]] = {
+    "bert": (_BERT_FIELDS, (0, 2, 3)),
+    "distilbert": (("dim", "n_layers", "n_heads", "hidden_dim", "dropout", "attention_dropout"), (0, 2, 3)),
+    "roberta": (_BERT_FIELDS, (1, 0, 2)),
+}
 
 
-def _distilbert_config(width: int, layers: int, heads: int, context_length: int, vocab_size: int) -> PretrainedConfig:
-    from transformers import DistilBertConfig
-
-    return DistilBertConfig(
-        vocab_size=vocab_size,
-        dim=width,
-        n_layers=layers,
-        n_heads=heads,
-        hidden_dim=4 * width,
-        max_position_embeddings=context_length,
-        dropout=0.0,
-        attention_dropout=0.0,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=3,
-    )
-
-
-def _roberta_config(width: int, layers: int, heads: int, context_length: int, vocab_size: int) -> PretrainedConfig:
-    from transformers import RobertaConfig
-
+def _encoder_config(model_type: str, width: int, layers: int, heads: int, context_length: int,
+                    vocab_size: int) -> PretrainedConfig:
+    """A BERT-like encoder's config (:data:`_ENCODERS`): MLP width 4x, no dropout."""
+    fields, (pad, bos, eos) = _ENCODERS[model_type]
     # RoBERTa numbers positions from pad_token_id + 1.
-    return RobertaConfig(
-        vocab_size=vocab_size,
-        hidden_size=width,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=4 * width,
-        max_position_embeddings=context_length + 2,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
+    offset = pad + 1 if model_type in _POSITION_OFFSET_BY_PAD else 0
+    return AutoConfig.for_model(
+        model_type, vocab_size=vocab_size, max_position_embeddings=context_length + offset,
+        pad_token_id=pad, bos_token_id=bos, eos_token_id=eos,
+        **dict(zip(fields, (width, layers, heads, 4 * width, 0.0, 0.0))),
     )
 
 
@@ -236,10 +205,10 @@ TEXT_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "clip-text": lambda: clip_text_config(),
     "clip-text-tiny": lambda: clip_text_config(width=64, layers=2, heads=2, context_length=32, vocab_size=4096,
                                                bos_token_id=1, eos_token_id=2),
-    "bert-base": lambda: _bert_config(768, 12, 12, 512, 30522),
-    "bert-tiny": lambda: _bert_config(64, 2, 2, 32, 4096),
-    "distilbert-tiny": lambda: _distilbert_config(64, 2, 2, 32, 4096),
-    "roberta-tiny": lambda: _roberta_config(64, 2, 2, 32, 4096),
+    "bert-base": lambda: _encoder_config("bert", 768, 12, 12, 512, 30522),
+    "bert-tiny": lambda: _encoder_config("bert", 64, 2, 2, 32, 4096),
+    "distilbert-tiny": lambda: _encoder_config("distilbert", 64, 2, 2, 32, 4096),
+    "roberta-tiny": lambda: _encoder_config("roberta", 64, 2, 2, 32, 4096),
 }
 """Built-in text tower configs by name. Dropout is 0 (CLIP trains without it)."""
 

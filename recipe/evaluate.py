@@ -350,7 +350,7 @@ def _summary(metrics: dict[str, float]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Evaluates a saved checkpoint on one process, prints one JSON line of metrics and writes them
     to ``<run>/eval_<name>_step<N>.json`` (``<name>``: :func:`result_name`), replacing that file atomically."""
-    from . import checkpoint
+    from .run import checkpoint
     from .config import config_from_dict
     from .model import CLIPConfig, create_model
     from .tokenizer import load_tokenizer
@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 def _cli() -> int:
     """``python -m recipe.evaluate``: a user error (missing data, unknown class folder, ...) is one line."""
-    from .checkpoint import CheckpointError
+    from .run.checkpoint import CheckpointError
 
     try:
         main()

@@ -81,7 +81,7 @@ def load(
     Raises:
         FileNotFoundError: The directory, its ``model_config.json`` or its tokenizer is missing.
         ValueError: Unknown ``weights`` or ``dtype``, or ``weights="master"`` with ``ema``.
-        recipe.checkpoint.CheckpointError: No complete checkpoint there, or an unreadable one.
+        recipe.run.checkpoint.CheckpointError: No complete checkpoint there, or an unreadable one.
     """
     from .data.decode import build_transform
     from .export.run import load_run, parse_dtype

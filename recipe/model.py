@@ -442,6 +442,13 @@ evaluate with ``crop_pct=1.0`` (resize the shorter side, centre crop), as CLIP d
 """
 
 
+def _builder_kwargs(settings: ImageTowerConfig | TextTowerConfig, *leave_out: str) -> dict[str, Any]:
+    """A tower's settings as its builder's keyword arguments (every field but ``name`` and ``leave_out``:
+    the fields are named as :func:`create_image_tower` / :func:`create_text_tower` name them)."""
+    skip = ("name", *leave_out)
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name not in skip}
+
+
 def create_model(
     preset: str | None = None,
     *,
@@ -545,24 +552,8 @@ def create_model(
         if value is not None and value < 1:  # embed_dim 0 would train at loss ln(batch), learning nothing
             raise ValueError(f"{name} must be >= 1, got {value}")
 
-    visual = create_image_tower(
-        cfg.image.name,
-        weights=cfg.image.weights,
-        image_size=cfg.image.image_size,
-        mean=cfg.image.mean,
-        std=cfg.image.std,
-        crop_pct=cfg.image.crop_pct,
-        interpolation=cfg.image.interpolation,
-        patch_dropout=cfg.image.patch_dropout,
-        **cfg.image.timm_kwargs,
-    )
-    text = create_text_tower(
-        cfg.text.name,
-        pooling=cfg.text.pooling,
-        overrides=cfg.text.overrides,
-        context_length=cfg.text.context_length,
-        load_weights=cfg.text.load_weights,
-    )
+    visual = create_image_tower(cfg.image.name, **_builder_kwargs(cfg.image, "timm_kwargs"), **cfg.image.timm_kwargs)
+    text = create_text_tower(cfg.text.name, **_builder_kwargs(cfg.text))
     if tokenizer is not None:
         check_tokenizer_fits(text, tokenizer)
     return CLIP(visual, text, cfg)

@@ -215,7 +215,7 @@ def locked_parameters(model: nn.Module, lock_image: bool, unlocked_groups: int =
     :meth:`recipe.model.CLIP.lock_image_tower` and :meth:`recipe.model.CLIP.lock_text_tower` select (the
     image tower and ``image_proj`` but for the last N layer groups of :meth:`recipe.model.CLIP.image_layer_ids`;
     the text tower and ``text_proj``). A resume whose lock flags differ from its checkpoint's rebuilds the
-    checkpoint's groups from it (:mod:`recipe.regroup`).
+    checkpoint's groups from it (:mod:`recipe.run.regroup`).
 
     Raises:
         ValueError: ``unlocked_groups`` negative or beyond the tower's layer groups.

@@ -11,7 +11,7 @@ resume), then per optimizer step the learning rate, :func:`recipe.step.train_ste
 backward, step, and the skip/stop decision), logging, evaluation and checkpoints, each a named
 helper below. ``--resume latest`` continues a run from its saved ``config.json`` with only the
 flags given on the command line changed; SIGTERM saves a checkpoint at the next step boundary and
-exits with code 143 (:mod:`recipe.preempt`).
+exits with code 143 (:mod:`recipe.run.preempt`).
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from typing import Any, Iterator
 
 import torch
 
-from . import checkpoint
-from . import resume as resume_settings
+from .run import checkpoint
+from .run import resume as resume_settings
 from .batchnorm import average_batchnorm_stats
 from .benchmark.training import benchmark_metrics
 from .benchmark.training import check_tokenizer as check_benchmark_tokenizer
-from .checkpoint import CheckpointError
+from .run.checkpoint import CheckpointError
 from .config import TrainConfig, parse_args
 from .data import build_train_loader, read_captions
 from .distributed import barrier, broadcast_from_rank0, mean_over_ranks, rank_world
@@ -42,18 +42,18 @@ from .engine import build_engine, eval_module, init_distributed
 from .evaluate import evaluate_data
 from .loss import ClipLoss
 from .memory import live_bytes_per_param
-from .metrics import MetricsLogger, peak_memory_bytes
+from .run.metrics import MetricsLogger, peak_memory_bytes
 from .numerics import NumericsMonitor, build_numerics
 from .export import Imported, read_pretrained
 from .export.masters import set_live_masters
 from .model import CLIPConfig, check_tokenizer_fits, create_model
 from .optimizer import describe_groups, lr_at, warmup_note
 from .precision import ConfigError, Precision, read_ds_config, resolve_precision, slow_bf16_on_cpu
-from . import outcome
-from .outcome import Outcome
-from .preempt import PREEMPTED_EXIT_CODE, STOP_UNSAVED_EXIT_CODE, StopNotSaved, StopRequest
+from .run import outcome
+from .run.outcome import Outcome
+from .run.preempt import PREEMPTED_EXIT_CODE, STOP_UNSAVED_EXIT_CODE, StopNotSaved, StopRequest
 from .quiet import quiet_libraries
-from .rundir import ERROR_LOG, Claim, RunDirError, RunLockError, check_run_dir, claim_run_dir, prepare_run_dir
+from .run.rundir import ERROR_LOG, Claim, RunDirError, RunLockError, check_run_dir, claim_run_dir, prepare_run_dir
 from .step import StepResult, TrainState, train_step
 from .tokenizer import load_tokenizer, train_tokenizer
 
@@ -121,7 +121,7 @@ def set_up(cfg: TrainConfig, prec: Precision, ds_config: dict[str, Any], run_dir
     """Everything before the first step (a failure here is a failed start): the run's files, its
     tokenizer, model, engine, loader and EMA, and the resumed state."""
     rank, world = rank_world()
-    previous = resume_settings.previous_config(run_dir, cfg.resume)  # before it is rewritten (recipe/resume.py)
+    previous = resume_settings.previous_config(run_dir, cfg.resume)  # before it is rewritten (recipe/run/resume.py)
     if rank == 0:
         prepare_run_dir(run_dir, cfg.to_dict(), ds_config)
     barrier()
@@ -247,7 +247,7 @@ def say(text: str) -> None:
 
 
 def claim_run(run_dir: Path, resume: str | None) -> Claim | None:
-    """Rank 0 checks the run directory for this start and takes its lock (:func:`recipe.rundir.claim_run_dir`);
+    """Rank 0 checks the run directory for this start and takes its lock (:func:`recipe.run.rundir.claim_run_dir`);
     every rank raises the same error when it refuses. Returns rank 0's claim (``None`` elsewhere)."""
     claim, error = None, None
     if rank_world()[0] == 0:
@@ -353,7 +353,7 @@ def build_model(cfg: TrainConfig, tokenizer: Any, run_dir: Path, imported: Impor
 def save(engine: Any, run_dir: Path, state: TrainState, loader: Any, prec: Precision,
          ema: ModelEMA | None = None, settings: dict[str, Any] | None = None) -> Path:
     client = {"state": state.__dict__.copy(), "data": loader.state_dict(), "rng": checkpoint.rng_state()}
-    if settings is not None:  # what a resume compares its flags with (recipe/resume.py)
+    if settings is not None:  # what a resume compares its flags with (recipe/run/resume.py)
         client["settings"] = settings
     if prec.loss_scaler is not None:
         client["loss_scaler"] = prec.loss_scaler.state_dict()
@@ -368,7 +368,7 @@ def restore(engine: Any, run_dir: Path, resume: str, loader: Any, prec: Precisio
     """The state of the checkpoint ``resume`` names, loaded into the engine, loader and EMA. A run
     that has no complete checkpoint yet (it failed or was killed before its first save) starts again
     from step 0 under ``--resume latest``. With ``cfg`` and ``opt``, settings that differ from the
-    checkpoint's are applied (each said in one line) or refused (:mod:`recipe.resume`; ``previous``: the
+    checkpoint's are applied (each said in one line) or refused (:mod:`recipe.run.resume`; ``previous``: the
     run's ``config.json`` before this start)."""
     if resume == "latest" and not checkpoint.complete_checkpoints(run_dir / "checkpoints"):
         say(f"{run_dir} has no complete checkpoint yet: starting it again from step 0 "
@@ -388,7 +388,7 @@ def restore(engine: Any, run_dir: Path, resume: str, loader: Any, prec: Precisio
     say(f"resumed from step {state.step} (checkpoint {tag_dir})")
     for line in changed:  # "--image-lr changed 0.002 -> 0.001 on resume: applied"
         say(line)
-    if client.get("resharded_from"):  # elastic resume: another world size (recipe/elastic.py)
+    if client.get("resharded_from"):  # elastic resume: another world size (recipe/run/elastic.py)
         say(f"elastic resume: checkpoint of {client['resharded_from']} ranks re-sharded onto {rank_world()[1]}; "
             f"the data continues at epoch {loader.epoch} with the samples not yet read")
     if ema is not None and not ema.restore(tag_dir, client.get("ema")):
@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit code: 0, 2 for a bad command line or configuration
     (nothing written), 1 for another error, 143 after a SIGTERM/SIGUSR1 stop with its checkpoint saved,
     3 for a stop whose checkpoint could not be saved, 130 after SIGINT. An error is one line (under
-    ``launch.sh``, which prints it once for all ranks: :mod:`recipe.outcome`); tracebacks go to
+    ``launch.sh``, which prints it once for all ranks: :mod:`recipe.run.outcome`); tracebacks go to
     ``<run>/error.log`` (``RECIPE_TRACEBACK=1`` raises instead)."""
     quiet_libraries()
     # torch.compile (--compile) compiles in this process: Inductor's default pool of compile-worker
@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def classify(error: BaseException, configuring: bool = False) -> tuple[str, int]:
-    """The outcome kind (:data:`recipe.outcome.KINDS`) and exit code of a rank that raised ``error``."""
+    """The outcome kind (:data:`recipe.run.outcome.KINDS`) and exit code of a rank that raised ``error``."""
     if outcome.is_peer_lost(error):
         return "peer", 1  # a consequence: another rank ended first
     if isinstance(error, StopNotSaved):

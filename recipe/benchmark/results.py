@@ -101,7 +101,7 @@ def write_results(results: Sequence[BenchmarkResult], out_dir: Path, model: str,
                   extra: dict[str, Any] | None = None, language: str = "en") -> list[Path]:
     """Writes each result's JSON and ``summary.csv`` into ``out_dir`` (created), each file atomically;
     returns the JSON paths and then the CSV's."""
-    from ..checkpoint import atomic_write_bytes
+    from ..run.checkpoint import atomic_write_bytes
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

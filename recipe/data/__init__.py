@@ -101,10 +101,9 @@ from .decode import (
     build_train_pipeline,
     build_transform,
     clean_caption,
-    clean_label,
     collate,
 )
-from .formats import expand_braces, expand_paths
+from .formats import clean_label, expand_braces, expand_paths
 from .loader import ClipLoader, build_eval_loader, build_train_loader, open_source, read_captions
 
 __all__ = [

@@ -21,13 +21,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
 import torch
 from PIL import Image
 
 from recipe.config import DECODE_DEVICES, DataConfig
 
-from .formats import RawSample, read_image_bytes
+from .formats import RawSample, clean_label, read_image_bytes
 
 #: Reasons a sample is skipped, in the order they are checked.
 SKIP_REASONS = (
@@ -175,21 +174,6 @@ def clean_caption(value: Any) -> tuple[str | None, str | None]:
     return value, None
 
 
-def clean_label(value: Any) -> int | None:
-    """Parse a class label (int, numpy integer, or digits as str/bytes); None if unusable."""
-    if isinstance(value, (bool, np.bool_)):
-        return None
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, (bytes, bytearray)):
-        value = bytes(value).decode("utf-8", errors="replace")
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value.strip())
-    return None
-
-
 @dataclass
 class Sample:
     """One decoded sample."""
@@ -293,7 +277,6 @@ __all__ = [
     "build_train_pipeline",
     "build_transform",
     "clean_caption",
-    "clean_label",
     "collate",
     "stack_pixels",
 ]

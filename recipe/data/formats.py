@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import datasets
+import numpy as np
 
 from .paths import (
     _IMAGE_SUFFIXES,
@@ -322,10 +323,23 @@ def _check_column_type(kind: str, column: str, feature: Any, where: str) -> None
         )
 
 
+def clean_label(value: Any) -> int | None:
+    """Parse a class label (int, numpy integer, or digits as str/bytes); None if unusable."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, (bytes, bytearray)):
+        value = bytes(value).decode("utf-8", errors="replace")
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value.strip())
+    return None
+
+
 def _check_some_labels_parse(source: MapSource, probe: int = 16) -> None:
     """Fail early when none of the first labels is a class index (e.g. a column of class names)."""
-    from .decode import clean_label  # decode imports this module
-
     if isinstance(source.dataset.features[source.label_column], datasets.ClassLabel):
         return
     values = source.dataset[:probe][source.label_column]
@@ -413,6 +427,7 @@ __all__ = [
     "MapSource",
     "RawSample",
     "canonical_format",
+    "clean_label",
     "detect_format",
     "expand_braces",
     "expand_paths",

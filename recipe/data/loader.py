@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from recipe.config import DataConfig
-from recipe.preempt import forking_workers, protect_worker
+from recipe.run.preempt import forking_workers, protect_worker
 
 from .classfolder import has_metadata_file, open_class_folder
 from .decode import (
@@ -417,7 +417,7 @@ class ClipLoader:
             producer.num_workers = max(1, self.num_workers)
             producer.starts = {w: (None if s.ended else (s.i, s.pos)) for w, s in enumerate(self._workers)}
             prefetch = self.prefetch_factor if self.num_workers > 0 else None
-            # workers deaf to a job-wide SIGTERM/SIGUSR1 (the rank saves, then ends them): recipe.preempt
+            # workers deaf to a job-wide SIGTERM/SIGUSR1 (the rank saves, then ends them): recipe.run.preempt
             init = functools.partial(protect_worker, rank_pid=os.getpid()) if self.num_workers > 0 else None
             dl = DataLoader(producer, batch_size=None, num_workers=self.num_workers, collate_fn=_identity,
                             pin_memory=self.pin_memory, prefetch_factor=prefetch, worker_init_fn=init)

@@ -151,7 +151,7 @@ def _source_dirs(tag_dir: Path, run_dir: Path) -> tuple[Path, ...]:
 
 def _marker(run: LoadedRun, fmt: str, dtype: str) -> dict[str, Any]:
     """The fields of an export's ``recipe_export.json`` (:data:`MARKER`)."""
-    from ..rundir import git_revision
+    from ..run.rundir import git_revision
 
     return {
         "format": fmt,

@@ -9,7 +9,7 @@ from ..quiet import quiet_libraries
 
 quiet_libraries()  # before the towers' libraries are imported
 
-from ..checkpoint import EMA_WEIGHTS  # noqa: E402
+from ..run.checkpoint import EMA_WEIGHTS  # noqa: E402
 from . import DTYPES, FORMATS, WEIGHTS, LoadedRun, UnsupportedExport, _export  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from ..checkpoint import CheckpointError
+    from ..run.checkpoint import CheckpointError
 
     try:
         out, run = _export(args.run_dir, args.format, args.out, args.dtype, args.overwrite, args.ema, args.weights)

@@ -18,7 +18,7 @@ stage and the world size the checkpoint was saved with:
   per sub-group): each parameter is split into ``ceil(numel / world)`` elements per rank; a rank's flat
   tensor of a sub-group is its pieces of the sub-group's parameters in order. The weights
   (``fp32_flat_groups``) and the states are joined parameter by parameter
-  (:func:`recipe.elastic.join_pieces`). The optimizer's state ids are the sub-groups in order (DeepSpeed
+  (:func:`recipe.run.elastic.join_pieces`). The optimizer's state ids are the sub-groups in order (DeepSpeed
   appends each group's sub-groups to it in sub-group order, and sub-groups are made group by group).
 * **ZeRO-0** (the fp16 and bf16 recipe-managed routes): SRAdamW's full state dict is in
   ``mp_rank_00_model_states.pt`` (key ``optimizer``) next to the module; its parameter indices follow
@@ -33,7 +33,7 @@ the group, and are returned as such. Parameters whose optimizer keeps no float32
 bf16/fp16 weight is all there is, and its float32 upcast is exact), or no state yet (a checkpoint
 before the first optimizer step, or whose every step was skipped), are absent from the result.
 
-Every layout mismatch or unreadable file is a :class:`recipe.checkpoint.CheckpointError` naming the
+Every layout mismatch or unreadable file is a :class:`recipe.run.checkpoint.CheckpointError` naming the
 file. The files are memory-mapped, so the optimizer state is not read into memory all at once.
 
 The other direction, into a live engine: :func:`set_live_masters` gives the optimizer of a run that
@@ -57,8 +57,8 @@ import torch
 
 from optim.master16 import join_master, split_master
 
-from ..checkpoint import COMPLETE, CheckpointError, read_file
-from ..elastic import base_states, cut_pieces, join_pieces, saved_world_size, zero_files
+from ..run.files import COMPLETE, CheckpointError, read_file
+from ..run.elastic import base_states, cut_pieces, join_pieces, saved_world_size, zero_files
 from ..param_groups import param_groups, tower_of
 
 __all__ = ["read_masters", "has_optimizer_state", "set_live_masters", "LiveMasters", "MODEL_STATES",
@@ -297,7 +297,7 @@ def _zero0(tag_dir: Path, model: torch.nn.Module | None) -> dict[str, torch.Tens
     if not any(k in s for s in state.values() for k in _MASTER_KEYS):
         return {}  # no masters kept (SR groups only, fp32, or no step taken yet): nothing to map
     if model is None:
-        from .run import build_architecture  # the run's model, as load_run builds it
+        from .architecture import build_architecture  # the run's model, as load_run builds it
 
         model = build_architecture(tag_dir.parent.parent)[2]
     rebuilt = {g["name"]: g["params"] for g in _rebuilt_groups(model, tag_dir.parent.parent, saved_groups)}

@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from .. import checkpoint
-from ..model import CLIP, CLIPConfig, create_model
-from ..tokenizer import Tokenizer, load_tokenizer
+from ..model import CLIP, CLIPConfig
+from ..run import checkpoint
+from ..tokenizer import Tokenizer
+from .architecture import build_architecture
 from .masters import has_optimizer_state, read_masters
 
 __all__ = ["LoadedRun", "load_run", "find_checkpoint", "build_architecture", "DTYPES", "WEIGHTS", "parse_dtype"]
@@ -95,22 +96,6 @@ class LoadedRun:
         return {"source": source, "master_params": len(self.master_names)}
 
 
-def build_architecture(run_dir: str | os.PathLike) -> tuple[CLIPConfig, Tokenizer, CLIP]:
-    """The run's model config, tokenizer and model as trained, randomly initialised, in fp32 (not a
-    text tower's original pretrained files: those need not exist where the run is read).
-
-    Raises:
-        FileNotFoundError: ``model_config.json`` or ``tokenizer`` is missing.
-    """
-    run_dir = Path(run_dir)
-    for needed in ("model_config.json", "tokenizer"):
-        if not (run_dir / needed).exists():
-            raise FileNotFoundError(f"{run_dir} is not a recipe run directory: {needed} is missing")
-    config = CLIPConfig.from_dict(json.loads((run_dir / "model_config.json").read_text()))
-    tokenizer = load_tokenizer(run_dir / "tokenizer")
-    return config, tokenizer, create_model(config=config, tokenizer=tokenizer, text_load_weights=False)
-
-
 def find_checkpoint(path: str | os.PathLike) -> tuple[Path, Path]:
     """The checkpoint tag directory :func:`load_run` reads for ``path`` (a run directory's ``latest``
     complete checkpoint, its ``checkpoints/`` directory's, or a tag directory itself) and the run
@@ -119,7 +104,7 @@ def find_checkpoint(path: str | os.PathLike) -> tuple[Path, Path]:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        recipe.checkpoint.CheckpointError: No complete checkpoint there.
+        recipe.run.checkpoint.CheckpointError: No complete checkpoint there.
     """
     path = Path(path)
     if not path.exists():
@@ -144,7 +129,7 @@ def load_run(
     Raises:
         FileNotFoundError: The directory, its ``model_config.json`` or tokenizer is missing.
         ValueError: ``weights`` is not ``master``/``module``, or ``master`` with ``ema``.
-        recipe.checkpoint.CheckpointError: No complete checkpoint there, or an unreadable one
+        recipe.run.checkpoint.CheckpointError: No complete checkpoint there, or an unreadable one
             (the optimizer files too with ``weights="master"``).
     """
     if weights not in WEIGHTS:

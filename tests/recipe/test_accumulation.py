@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipe import checkpoint
+from recipe.run import checkpoint
 
 from ..dist_utils import run_distributed
 from .test_train import ENV, _train_worker, ds_json, train_cfg

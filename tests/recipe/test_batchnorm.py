@@ -174,7 +174,7 @@ def _train_worker(rank: int, world: int, cfg: dict, average: bool = True) -> dic
     """Trains ``cfg`` and records every rank's BatchNorm statistics right after each checkpoint save,
     and each evaluation's metrics, statistics and image features. ``average=False`` takes the
     averaging out (to see that the test catches its absence)."""
-    import recipe.checkpoint as C
+    import recipe.run.checkpoint as C
     import recipe.evaluate as E
     import recipe.train as T
     from recipe.config import config_from_dict

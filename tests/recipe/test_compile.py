@@ -96,10 +96,11 @@ def test_compiled_training_matches_eager_and_checkpoints_stay_plain(data: Path, 
     from recipe.evaluate import main as evaluate_main
 
     final = r_compiled["final"]
-    standalone = evaluate_main(["--checkpoint", str(tmp_path / "compiled")])
+    # --weights module: the weights the run evaluated (the default reads the fp32 masters, as export does)
+    standalone = evaluate_main(["--checkpoint", str(tmp_path / "compiled"), "--weights", "module"])
     assert standalone["step"] == 4 and standalone["eval_samples"] == final["eval_samples"] == 24
-    for k in ("zeroshot_top1", "i2t_r1", "t2i_r5"):
-        assert abs(standalone[k] - final[k]) <= 1 / 24 + 1e-9, k
+    for k in ("zeroshot_top1", "i2t_r1", "t2i_r5"):  # at most one sample apart (float32 metrics)
+        assert abs(standalone[k] - final[k]) <= 1 / 24 + 1e-6, k
     # export reads it strictly (missing or unexpected keys raise) and writes it
     from recipe.export import export_run, load_run
 

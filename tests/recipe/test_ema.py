@@ -165,7 +165,7 @@ def test_sharded_update_matches_the_whole_tensor() -> None:
 
 
 def test_state_round_trip_continues_bit_identically_and_swap_restores(tmp_path: Path) -> None:
-    from recipe.checkpoint import EMA_WEIGHTS
+    from recipe.run.checkpoint import EMA_WEIGHTS
 
     model = _toy().to(torch.bfloat16)
     a = ModelEMA(model, 0.999, seed=3)
@@ -266,7 +266,7 @@ def test_zero2_checkpoints_skips_and_evaluates_the_ema(data: Path, tmp_path: Pat
 
     standalone = evaluate_main(["--checkpoint", str(run), "--ema", "--no-progress"])
     for k in ("zeroshot_top1", "i2t_r1", "t2i_r5"):
-        assert abs(standalone[k] - final[f"ema_{k}"]) <= 1 / 24 + 1e-9, k
+        assert abs(standalone[k] - final[f"ema_{k}"]) <= 1 / 24 + 1e-6, k  # one sample (float32 metrics)
     [written] = run.glob("eval_*_ema_step4.json")  # named by the run's validation data
     assert json.loads(written.read_text())["weights"] == "ema_weights.pt"
     loaded = load_run(run, ema=True)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from PIL import Image
 from timm.data import create_transform
 
-from recipe import checkpoint
+from recipe.run import checkpoint
 from recipe.config import TrainConfig
 from recipe.data import DataConfig, build_eval_loader
 from recipe.evaluate import main as evaluate_main

@@ -141,10 +141,10 @@ def test_resume_continues_bit_identically(name: str, data: Path, tmp_path: Path)
         from recipe.evaluate import main as evaluate_main
 
         final = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()][-1]
-        standalone = evaluate_main(["--checkpoint", str(tmp_path / "full")])
+        standalone = evaluate_main(["--checkpoint", str(tmp_path / "full"), "--weights", "module"])  # as the run
         assert standalone["step"] == 8 and standalone["eval_samples"] == final["eval_samples"] == 24
         for k in ("zeroshot_top1", "i2t_r1", "t2i_r5"):
-            assert abs(standalone[k] - final[k]) <= 1 / 24 + 1e-9, k
+            assert abs(standalone[k] - final[k]) <= 1 / 24 + 1e-6, k  # one sample (float32 metrics)
     assert sorted(b) == [5, 6, 7, 8]
     for s in (5, 6, 7, 8):
         # bit-identical continuation (the fp16 route too: its replicated weights draw the same noise on

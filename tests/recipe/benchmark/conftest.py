@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("clip_benchmark")
 
-from recipe import checkpoint  # noqa: E402
+from recipe.run import checkpoint  # noqa: E402
 from recipe import synthetic as syn  # noqa: E402
 from recipe.config import TrainConfig  # noqa: E402
 from recipe.model import create_model  # noqa: E402

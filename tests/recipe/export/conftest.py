@@ -14,7 +14,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from recipe import checkpoint
+from recipe.run import checkpoint
 from recipe.model import CLIP, create_model
 from recipe.tokenizer import Tokenizer, train_tokenizer
 
@@ -69,11 +69,11 @@ DEEPSPEED_RUNS = {"zero2": "zero2_bf16_halfmaster.json", "zero3": "zero3_bf16_ha
 def live_masters(engine: Any) -> dict[str, torch.Tensor]:
     """Every parameter's fp32 master as the live SRAdamW holds it (what ``SRAdamW.master`` gives), by name,
     from the engine's own structures (not the checkpoint files). ZeRO-1/2/3: each flat group's weights and
-    ``master_low`` over all ranks (:func:`recipe.elastic.full_flat_state`, a collective) joined as
+    ``master_low`` over all ranks (:func:`recipe.run.elastic.full_flat_state`, a collective) joined as
     ``SRAdamW.master`` joins them (or DeepSpeed's fp32 partitions, where it keeps them), cut along the
     group's live parameters; ZeRO-0: ``SRAdamW.master`` of each module tensor."""
     from optim.master16 import join_master
-    from recipe import elastic
+    from recipe.run import elastic
 
     stage = int(engine.zero_optimization_stage())
     if stage == 0:

@@ -86,7 +86,7 @@ def test_ema_weights_export_with_ema(make_run, tmp_path: Path, capsys: pytest.Ca
     """``--ema`` exports the checkpoint's ``ema_weights.pt`` instead of the live weights."""
     from safetensors.torch import load_file
 
-    from recipe import checkpoint
+    from recipe.run import checkpoint
 
     run, model = make_run("run", preset="tiny")
     tag = checkpoint.complete_checkpoints(run / "checkpoints")[-1]

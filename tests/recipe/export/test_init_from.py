@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import recipe.train as T
-from recipe import checkpoint
+from recipe.run import checkpoint
 from recipe.config import config_from_dict, parse_args
 from recipe.export import detect_format, export_run, read_pretrained
 
@@ -30,15 +30,21 @@ def _cfg(tmp: Path, init: Path | None, **model: object) -> object:
     })
 
 
-def test_init_from_a_run_starts_from_its_weights_and_tokenizer(make_run, tmp_path: Path) -> None:
-    src, model = make_run("src", preset="tiny", seed=3)
-    assert detect_format(src) == "recipe"
-    cfg = _cfg(tmp_path, src, preset=None)
-    out = tmp_path / "out"
+def _init_from(tmp: Path, init: Path) -> tuple[Path, object, object]:
+    """``--init-from init`` through the training's own code (read_init_from, get_tokenizer, build_model):
+    the output directory, the tokenizer and the model built."""
+    cfg = _cfg(tmp, init, preset=None)
+    out = tmp / "out"
     out.mkdir()
     imported = T.read_init_from(cfg, out)
     tokenizer = T.get_tokenizer(cfg, out, imported)
-    built = T.build_model(cfg, tokenizer, out, imported)
+    return out, tokenizer, T.build_model(cfg, tokenizer, out, imported)
+
+
+def test_init_from_a_run_starts_from_its_weights_and_tokenizer(make_run, tmp_path: Path) -> None:
+    src, model = make_run("src", preset="tiny", seed=3)
+    assert detect_format(src) == "recipe"
+    out, _, built = _init_from(tmp_path, src)
     assert (out / "tokenizer" / "tokenizer.json").read_text() == (src / "tokenizer" / "tokenizer.json").read_text()
     got, want = built.state_dict(), model.state_dict()
     assert got.keys() == want.keys()
@@ -120,12 +126,7 @@ def test_export_then_init_from_then_export_gives_identical_weights(
 
     src, _ = make_run("src", **kwargs)
     first = export_run(src, fmt, tmp_path / "first")
-    cfg = _cfg(tmp_path, first, preset=None)
-    out = tmp_path / "out"
-    out.mkdir()
-    imported = T.read_init_from(cfg, out)
-    tokenizer = T.get_tokenizer(cfg, out, imported)
-    model = T.build_model(cfg, tokenizer, out, imported)
+    _, tokenizer, model = _init_from(tmp_path, first)
     second = export_run(save_run(model, tokenizer, tmp_path / "again"), fmt, tmp_path / "second")
     a, b = load_file(first / weights), load_file(second / weights)
     assert a.keys() == b.keys() and len(a) > 10

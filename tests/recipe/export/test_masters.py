@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from optim.master16 import split_master
-from recipe import checkpoint
+from recipe.run import checkpoint
 from recipe.export import export_run, load_run, read_masters, read_pretrained
 from recipe.export.__main__ import main as export_main
 from recipe.param_groups import tower_of

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from recipe import checkpoint
-from recipe.checkpoint import CheckpointError
+from recipe.run import checkpoint
+from recipe.run.checkpoint import CheckpointError
 
 
 def complete(tag_dir: Path, step: int) -> None:
@@ -153,12 +153,12 @@ def test_resume_falls_back_to_the_newest_complete_checkpoint(tmp_path: Path, cap
         complete(ck / f"step{step:08d}", step)
     complete(ck / "step00000030.r1", 30)
     (ck / "step00000040").mkdir()  # an interrupted save
-    with caplog.at_level("WARNING", logger="recipe.checkpoint"):
+    with caplog.at_level("WARNING", logger="recipe.run.checkpoint"):
         assert checkpoint.resolve("latest", ck) == ck / "step00000030.r1"  # no latest file at all
     assert "no 'latest' file" in caplog.text and "step00000030.r1" in caplog.text
     checkpoint.atomic_write_bytes(ck / checkpoint.LATEST, b"step00000040")  # names the incomplete one
     caplog.clear()
-    with caplog.at_level("WARNING", logger="recipe.checkpoint"):
+    with caplog.at_level("WARNING", logger="recipe.run.checkpoint"):
         assert checkpoint.resolve("latest", ck) == ck / "step00000030.r1"
     assert "step00000040, which is incomplete" in caplog.text
     assert checkpoint.resolve(str(tmp_path), tmp_path / "x") == ck / "step00000030.r1"  # a run directory

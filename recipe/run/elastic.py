@@ -43,9 +43,9 @@ not depend on the world size, yet the continuation is not bit for bit either: th
 composition changes (e.g. 2 x 8 vs 1 x 16 samples), so the loss reduction and the sum of the fp16
 gradients over the ranks round differently (measured: 1 ulp of the loss at the first step after the
 resume, then within 4e-4 relative, less than an uninterrupted 1-rank run differs from a 2-rank one;
-``tests/recipe/test_elastic.py``).
+``tests/recipe/run/test_elastic.py``).
 
-Not supported (a :class:`recipe.checkpoint.CheckpointError` naming the combination): a change of ZeRO
+Not supported (a :class:`recipe.run.checkpoint.CheckpointError` naming the combination): a change of ZeRO
 stage; fp16 state statistics with per-partition scales under ZeRO-1/2/3; DeepSpeed's ``round_robin_gradients`` (the
 flat order of a group then depends on the world size); a streamed (webdataset) data position mid-epoch
 (:meth:`recipe.data.loader.ClipLoader.load_state_dict`).
@@ -66,8 +66,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint import COMPLETE, CheckpointError, load_engine_state, read_file
-from .distributed import rank_world
+from .files import COMPLETE, CheckpointError, load_engine_state, read_file
+from ..distributed import rank_world
 
 __all__ = ["base_states", "cut_pieces", "full_flat_state", "join_pieces", "load_resharded", "local_flat_state", "saved_world_size",
            "zero_files"]
@@ -133,7 +133,7 @@ def load_resharded(engine: Any, tag_dir: Path, saved_world: int) -> dict[str, An
         # the full module; DeepSpeed then copies the weights into this rank's partitions
         load_engine_state(engine, tag_dir, optimizer_states=False)
         _load_zero12(zo, saved, label, saved_world, world)
-    return _client_state(tag_dir, rank, saved_world)
+    return client_state_resharded(tag_dir, rank, saved_world)
 
 
 def _load_zero0(engine: Any, tag_dir: Path, files: dict[int, Path], rank: int, saved_world: int,
@@ -145,10 +145,10 @@ def _load_zero0(engine: Any, tag_dir: Path, files: dict[int, Path], rank: int, s
         raise _unsupported(f"a ZeRO-1/2/3 checkpoint (ZeRO optimizer files of ranks {sorted(files)})", saved_world,
                            world, "this run uses ZeRO-0; resume with the saved ZeRO stage")
     load_engine_state(engine, tag_dir)
-    return _client_state(tag_dir, rank, saved_world)
+    return client_state_resharded(tag_dir, rank, saved_world)
 
 
-def _client_state(tag_dir: Path, rank: int, saved_world: int) -> dict[str, Any]:
+def client_state_resharded(tag_dir: Path, rank: int, saved_world: int) -> dict[str, Any]:
     clients = [read_file(tag_dir / f"rank{r:05d}.pt") for r in range(saved_world)]
     client = dict(clients[0])
     client["rng"] = clients[rank % saved_world]["rng"]

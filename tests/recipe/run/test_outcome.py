@@ -1,4 +1,4 @@
-"""How a launch ended (recipe/outcome.py): the one line and the exit status chosen from the ranks'
+"""How a launch ended (recipe/run/outcome.py): the one line and the exit status chosen from the ranks'
 outcomes, peer-lost errors told apart from causes, and the launcher's wait for ranks that outlive it."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from recipe import outcome
-from recipe.outcome import Outcome, is_peer_lost, summarise
+from recipe.run import outcome
+from recipe.run.outcome import Outcome, is_peer_lost, summarise
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 GLOO_PEER = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
                          "[127.0.0.1]:15571. This is typically caused by a remote worker crashing.")
@@ -76,7 +76,7 @@ def test_the_launcher_waits_for_ranks_that_outlive_it_and_prints_one_line(tmp_pa
     """Two ranks announce themselves; the launcher's report returns only when both have ended (one
     of them 1.5 s after the report started), and prints the cause once."""
     rank_code = (
-        "import os, sys, time; sys.path.insert(0, {root!r}); from recipe import outcome\n"
+        "import os, sys, time; sys.path.insert(0, {root!r}); from recipe.run import outcome\n"
         "outcome.announce({rank}); time.sleep({sleep})\n"
         "outcome.record(outcome.Outcome({rank}, {code}, {kind!r}, {msg!r}, None))\n"
     )
@@ -90,7 +90,7 @@ def test_the_launcher_waits_for_ranks_that_outlive_it_and_prints_one_line(tmp_pa
     while len(list(tmp_path.glob("rank*.pid"))) < 2:
         time.sleep(0.05)
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "recipe.outcome", str(tmp_path), "143", "--expect", "2"],
+    res = subprocess.run([sys.executable, "-m", "recipe.run.outcome", str(tmp_path), "143", "--expect", "2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     waited = time.monotonic() - t0
     for p in ranks:

@@ -1,4 +1,4 @@
-"""The run directory's guard (recipe/rundir.py): a new run never goes into another run, ``--resume
+"""The run directory's guard (recipe/run/rundir.py): a new run never goes into another run, ``--resume
 latest`` needs a run, a refusal writes nothing, and a failed start takes back exactly what it wrote."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe.rundir import ERROR_LOG, LOCK_FILE, RunDirError, check_run_dir, claim_run_dir, run_files
+from recipe.run.rundir import ERROR_LOG, LOCK_FILE, RunDirError, check_run_dir, claim_run_dir, run_files
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -114,7 +114,7 @@ def test_a_failed_resumed_start_restores_the_files_it_rewrote(tmp_path: Path) ->
 def test_resume_latest_of_a_run_without_a_checkpoint_starts_it_again(tmp_path: Path, capsys) -> None:
     """A run that failed after its first step but before its first save: --resume latest starts it
     again from step 0 (saying so) instead of refusing; an explicit checkpoint still must exist."""
-    from recipe.checkpoint import CheckpointError
+    from recipe.run.checkpoint import CheckpointError
     from recipe.train import restore
 
     run = tmp_path / "run"

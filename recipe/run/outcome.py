@@ -10,7 +10,7 @@ terminal.
 Under ``launch.sh`` the ranks print no error line themselves. ``launch.sh`` names a private directory
 in ``RECIPE_LAUNCH_DIR``; each rank announces itself there at start (``rank<k>.pid``: pid and process
 start time) and leaves its outcome at exit (``rank<k>.json``). Once the launcher has returned (or died
-of a job-wide signal), ``python -m recipe.outcome DIR RUNNER_STATUS`` waits until every announced rank
+of a job-wide signal), ``python -m recipe.run.outcome DIR RUNNER_STATUS`` waits until every announced rank
 has ended, prints the one line that explains the launch (the cause, from the lowest rank that has
 one, and where its traceback is) and exits with the launch's status. Without ``RECIPE_LAUNCH_DIR``
 (the ``deepspeed`` runner used directly, or several nodes) rank 0 prints its own line, as do other
@@ -210,8 +210,8 @@ def summarise(outcomes: dict[int, Outcome], announced: set[int], runner_status: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m recipe.outcome DIR RUNNER_STATUS [--expect N]``: see the module docstring."""
-    ap = argparse.ArgumentParser(prog="python -m recipe.outcome", description=__doc__.splitlines()[0])
+    """``python -m recipe.run.outcome DIR RUNNER_STATUS [--expect N]``: see the module docstring."""
+    ap = argparse.ArgumentParser(prog="python -m recipe.run.outcome", description=__doc__.splitlines()[0])
     ap.add_argument("dir", type=Path)
     ap.add_argument("runner_status", type=int)
     ap.add_argument("--expect", type=int, default=0, help="ranks this node starts (waited for a moment)")

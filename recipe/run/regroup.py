@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointError, read_file
+from .files import CheckpointError, read_file
 from .elastic import base_states, zero_files
-from .param_groups import group_layout, locked_parameters, param_groups
+from ..param_groups import group_layout, locked_parameters, param_groups
 
 __all__ = ["RegroupError", "Regrouped", "load_by_name", "named_state"]
 
@@ -74,11 +74,11 @@ class Regrouped:
 
 def load_by_name(engine: Any, opt: torch.optim.Optimizer, tag_dir: Path, saved: dict[str, Any]) -> Regrouped:
     """Loads the optimizer state of checkpoint ``tag_dir`` into ``opt`` (SRAdamW, this run's groups) by
-    parameter name. The module must be loaded already (:func:`recipe.checkpoint.load` with
+    parameter name. The module must be loaded already (:func:`recipe.run.checkpoint.load` with
     ``optimizer_states=False``); under ZeRO-1/2 DeepSpeed's partitions then hold the module's weights,
     which the saved partitions replace.
 
-    ``saved`` is the checkpoint's settings as :func:`recipe.resume.record` keeps them (``optim.layer_decay``,
+    ``saved`` is the checkpoint's settings as :func:`recipe.run.resume.record` keeps them (``optim.layer_decay``,
     ``model.lock_image``, ``model.lock_image_unlocked_groups``, ``model.lock_text``): ZeRO-0 rebuilds the
     saved groups from them.
 

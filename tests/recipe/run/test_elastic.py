@@ -1,4 +1,4 @@
-"""Elastic resume (recipe/elastic.py): a checkpoint of one world size continued on another.
+"""Elastic resume (recipe/run/elastic.py): a checkpoint of one world size continued on another.
 
 * Data position: the union of what the new ranks read is exactly the unread rest of the epoch (by
   sample ids), for 2 -> 1, 1 -> 2, 2 -> 3 ranks, batch-size changes and a chained re-shard.
@@ -31,9 +31,9 @@ import torch
 
 from recipe.data import build_train_loader
 
-from ..dist_utils import run_distributed
-from .data.helpers import IMAGE_CFG, cfg_for, tokenize
-from .test_train import ENV, ds_json, losses_of, train_cfg
+from ...dist_utils import run_distributed
+from ..data.helpers import IMAGE_CFG, cfg_for, tokenize
+from ..test_train import ENV, ds_json, losses_of, train_cfg
 
 # --------------------------------------------------------------------------------------------------
 # data position (no DeepSpeed)
@@ -132,7 +132,7 @@ def test_reshard_rejects_other_seed_or_data(data: Path) -> None:
 
 def _elastic_worker(rank: int, world: int, cfgs: list[dict]) -> dict:
     import recipe.train as T
-    from recipe import elastic
+    from recipe.run import elastic
     from recipe.config import config_from_dict
 
     record: dict = {"keys": [], "saved": {}, "restored": None, "errors": []}
@@ -286,7 +286,7 @@ def test_zero3_pieces_round_trip(numels: list[int], old: int, new: int) -> None:
     """ZeRO-3's flat layout: every parameter in ceil(numel / world) pieces, the last zero-padded
     (parameters smaller than the world leave whole ranks of padding): joining the saved ranks' flats
     and cutting them at another world size gives each rank exactly the elements DeepSpeed puts there."""
-    from recipe.elastic import cut_pieces, join_pieces
+    from recipe.run.elastic import cut_pieces, join_pieces
 
     params = [torch.arange(n, dtype=torch.float32) + 1000 * j for j, n in enumerate(numels)]
 
@@ -410,8 +410,8 @@ class _Engine:
 def test_unsupported_combinations_are_named(tmp_path: Path, stage: int, saved_stage: int, what: str, why: str) -> None:
     """A change of ZeRO stage along with the world size (ZeRO-1/2/3 among themselves, or to ZeRO-0, the
     fp16 route) fails before anything is loaded, naming both."""
-    from recipe import checkpoint
-    from recipe.checkpoint import CheckpointError
+    from recipe.run import checkpoint
+    from recipe.run.checkpoint import CheckpointError
 
     tag = tmp_path / "checkpoints" / "step00000004"
     tag.mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""Resume with changed settings (recipe/resume.py, recipe/regroup.py): every flag a checkpoint records is
+"""Resume with changed settings (recipe/run/resume.py, recipe/run/regroup.py): every flag a checkpoint records is
 either applied on resume (the optimizer groups' lr scales and hyperparameters, the groups themselves
 with the optimizer state mapped by parameter name, lock state, EMA decay), said in one line, or
 refused in one line naming the flag; an unchanged resume stays bit-identical.
@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from ..dist_utils import run_distributed
-from .test_train import ENV, ds_json, losses_of, train_cfg
+from ...dist_utils import run_distributed
+from ..test_train import ENV, ds_json, losses_of, train_cfg
 
 ROUTES = ["zero0_bf16_sr.json", "zero2_fp32.json"]
 LR = 2e-3
@@ -35,7 +35,7 @@ def _resume_worker(rank: int, world: int, cfgs: list[dict]) -> list[dict]:
     and at the end, which parameters train, and the final metrics."""
     import recipe.train as T
     from recipe.config import config_from_dict
-    from recipe.regroup import named_state
+    from recipe.run.regroup import named_state
 
     said: list[str] = []
     sessions: list[Any] = []
@@ -363,7 +363,7 @@ def test_locked_parameters_are_what_the_model_locks() -> None:
 def test_refusals_before_loading(tmp_path: Path) -> None:
     """ZeRO-3 cannot map its optimizer state to other groups: a change of the groups is refused before
     anything is loaded, in one line naming the flag; so is a change of master weights on any stage."""
-    from recipe import resume
+    from recipe.run import resume
     from recipe.config import TrainConfig, config_from_dict
 
     tag = tmp_path / "run" / "checkpoints" / "step00000002"
@@ -395,7 +395,7 @@ def test_refusals_before_loading(tmp_path: Path) -> None:
 def test_settings_of_a_checkpoint_saved_before_they_were_recorded(tmp_path: Path) -> None:
     """A checkpoint without a settings record: its run's config.json (as it was before this start when the
     run is this one) and its EMA's own record."""
-    from recipe import resume
+    from recipe.run import resume
     from recipe.config import config_from_dict
 
     run_dir = tmp_path / "run"

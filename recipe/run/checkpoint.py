@@ -42,8 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .batchnorm import average_batchnorm_stats
-from .distributed import barrier, broadcast_from_rank0, collective_device, max_over_ranks_, rank_world
+from ..batchnorm import average_batchnorm_stats
+from ..distributed import barrier, broadcast_from_rank0, collective_device, max_over_ranks_, rank_world
+from .elastic import client_state_resharded, load_resharded
+from .files import COMPLETE, CheckpointError, load_engine_state, read_file
 
 __all__ = [
     "CheckpointError", "save", "load", "resolve", "complete_checkpoints", "rng_state", "set_rng_state",
@@ -52,15 +54,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-COMPLETE = "COMPLETE"
 LATEST = "latest"
 MODEL_WEIGHTS = "model_weights.pt"
 EMA_WEIGHTS = "ema_weights.pt"
 _TAG = re.compile(r"step(\d{8})(?:\.r(\d+))?")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or unreadable."""
 
 
 def _atomic(path: Path, write: Any) -> None:
@@ -252,12 +249,12 @@ def load(engine: Any, tag_dir: str | os.PathLike, optimizer_states: bool = True)
     """Loads a complete checkpoint into ``engine`` (model, optimizer incl. SR seed, scheduler) and
     returns this rank's client state.
 
-    A checkpoint written by another number of ranks is re-sharded (:mod:`recipe.elastic`, ZeRO 0-3):
+    A checkpoint written by another number of ranks is re-sharded (:mod:`recipe.run.elastic`, ZeRO 0-3):
     the client state then has ``"data"`` the list of every saved rank's data position and
     ``"resharded_from"`` the saved world size.
 
     ``optimizer_states=False`` (ZeRO 0-2) loads the module, scheduler and counters but no optimizer
-    state, for a resume that maps it by parameter name itself (:mod:`recipe.regroup`); under ZeRO-1/2
+    state, for a resume that maps it by parameter name itself (:mod:`recipe.run.regroup`); under ZeRO-1/2
     DeepSpeed's partitions then hold the module's weights.
 
     Raises:
@@ -282,13 +279,9 @@ def load(engine: Any, tag_dir: str | os.PathLike, optimizer_states: bool = True)
             for p in frozen:
                 p.requires_grad_(False)
         if meta.get("world_size", world) != world:
-            from .elastic import _client_state  # the client state re-sharded as for an elastic resume
-
-            return _client_state(tag_dir, rank_world()[0], int(meta["world_size"]))
+            return client_state_resharded(tag_dir, rank_world()[0], int(meta["world_size"]))
         return read_file(tag_dir / f"rank{rank_world()[0]:05d}.pt")
     if meta.get("world_size", world) != world:
-        from .elastic import load_resharded  # an elastic resume
-
         try:
             return load_resharded(engine, tag_dir, int(meta["world_size"]))
         except CheckpointError:
@@ -301,35 +294,3 @@ def load(engine: Any, tag_dir: str | os.PathLike, optimizer_states: bool = True)
         return torch.load(tag_dir / f"rank{rank_world()[0]:05d}.pt", map_location="cpu", weights_only=False)
     except Exception as e:  # unreadable or truncated files
         raise CheckpointError(f"cannot read checkpoint {tag_dir}: {type(e).__name__}: {e}") from e
-
-
-def read_file(path: Path, key: str | None = None, mmap: bool = False) -> Any:
-    """A checkpoint file's content (``key`` of it); ``mmap`` maps its tensors instead of reading them.
-
-    Raises:
-        CheckpointError: The file is missing, unreadable or truncated, or has no ``key`` (named).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} is missing")
-    try:
-        content = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-        return content if key is None else content[key]
-    except Exception as e:  # a truncated or foreign file
-        raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e
-
-
-def load_engine_state(engine: Any, tag_dir: Path, optimizer_states: bool = True) -> None:
-    """DeepSpeed's part of checkpoint ``tag_dir`` into ``engine`` (module, scheduler and, unless
-    ``optimizer_states`` is False, optimizer); ``CheckpointError`` naming the directory when a file is
-    unreadable or DeepSpeed finds nothing there."""
-    try:
-        path, _ = engine.load_checkpoint(
-            str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=optimizer_states, load_lr_scheduler_states=True
-        )
-    except CheckpointError:
-        raise
-    except Exception as e:  # unreadable or truncated files
-        raise CheckpointError(f"cannot read checkpoint {tag_dir}: {type(e).__name__}: {e}") from e
-    if path is None:
-        raise CheckpointError(f"DeepSpeed found no checkpoint in {tag_dir}")

@@ -1,4 +1,4 @@
-"""Stop signals (recipe/preempt.py): SIGTERM and SIGUSR1 set the stop flag and name the signal; a
+"""Stop signals (recipe/run/preempt.py): SIGTERM and SIGUSR1 set the stop flag and name the signal; a
 DataLoader worker survives a job-wide SIGTERM/SIGUSR1 sent by someone else (a scheduler) and still
 ends when its rank ends it; a stop whose checkpoint was not saved names the steps that are lost."""
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from recipe.preempt import PREEMPTED_EXIT_CODE, STOP_UNSAVED_EXIT_CODE, StopNotSaved, StopRequest
+from recipe.run.preempt import PREEMPTED_EXIT_CODE, STOP_UNSAVED_EXIT_CODE, StopNotSaved, StopRequest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
@@ -55,7 +55,7 @@ WORKER_SCRIPT = textwrap.dedent("""
     import contextlib, functools, os, signal, subprocess, sys, time
     import torch
     from torch.utils.data import DataLoader, IterableDataset
-    from recipe.preempt import StopRequest, forking_workers, protect_worker
+    from recipe.run.preempt import StopRequest, forking_workers, protect_worker
 
     class Slow(IterableDataset):
         def __iter__(self):

@@ -2,8 +2,8 @@
 
 Layout of ``<run>``: ``config.json`` (the resolved :class:`recipe.config.TrainConfig`),
 ``ds_config.json`` (what DeepSpeed was given), ``git_revision.txt``, ``model_config.json``,
-``tokenizer/``, ``metrics.jsonl`` and ``tensorboard/`` (:mod:`recipe.metrics`), ``checkpoints/``
-(:mod:`recipe.checkpoint`), ``final_metrics.json``, and while a run is alive ``run.lock``.
+``tokenizer/``, ``metrics.jsonl`` and ``tensorboard/`` (:mod:`recipe.run.metrics`), ``checkpoints/``
+(:mod:`recipe.run.checkpoint`), ``final_metrics.json``, and while a run is alive ``run.lock``.
 
 A directory is a run once it holds any of :data:`RUN_FILES`. A new run (no ``--resume``) goes only
 into a missing or empty directory, or one holding other files (a scheduler's log, say) but no run:

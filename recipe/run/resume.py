@@ -11,7 +11,7 @@ line, ``--image-lr changed 0.002 -> 0.001 on resume: applied``:
   the ones the checkpoint's optimizer state carries; the Adam statistics are kept.
 * **Group structure** (``--layer-decay`` turned on or off, ``--lock-image``,
   ``--lock-image-unlocked-groups``, ``--lock-text``): applied under ZeRO 0-2. The groups are this
-  run's and the optimizer state is mapped by parameter name (:mod:`recipe.regroup`): a parameter still
+  run's and the optimizer state is mapped by parameter name (:mod:`recipe.run.regroup`): a parameter still
   trained keeps its state, a locked one stays bit-identical (no gradient, no state), an unlocked one
   starts with fresh state at its first step. Refused, in one line naming the flag, under ZeRO-3 and
   where ZeRO-1/2's flat groups cannot hold the result (trained and newly trainable parameters in one
@@ -23,7 +23,7 @@ line, ``--image-lr changed 0.002 -> 0.001 on resume: applied``:
   state of a tower holds its fp32 masters or not); start a new run from the checkpoint's weights
   with ``--init-from``.
 
-The run's ``config.json`` is rewritten at every start (:func:`recipe.rundir.prepare_run_dir`), so it
+The run's ``config.json`` is rewritten at every start (:func:`recipe.run.rundir.prepare_run_dir`), so it
 records the new values from the resume on (a refused start puts the old file back).
 """
 
@@ -38,8 +38,8 @@ from typing import Any, Callable
 import torch
 
 from . import checkpoint
-from .checkpoint import CheckpointError, read_file
-from .distributed import broadcast_from_rank0, rank_world
+from .files import CheckpointError, read_file
+from ..distributed import broadcast_from_rank0, rank_world
 
 __all__ = ["SETTINGS", "Setting", "Change", "record", "previous_config", "saved_settings", "changes", "load"]
 
@@ -113,7 +113,7 @@ def saved_settings(tag_dir: Path, client: dict[str, Any], run_dir: Path,
             data = json.loads((own_run / "config.json").read_text())
         except (OSError, ValueError):
             return None
-    from .config import TrainConfig
+    from ..config import TrainConfig
 
     defaults = record(TrainConfig())
     out = {}
@@ -213,12 +213,12 @@ def _apply(opt: torch.optim.Optimizer, wanted: dict[str, dict[str, Any]]) -> Non
 def load(engine: Any, opt: torch.optim.Optimizer, tag_dir: Path, cfg: Any, run_dir: Path,
          previous: dict[str, Any] | None, say: Callable[[str], None]) -> dict[str, Any]:
     """Loads checkpoint ``tag_dir`` into ``engine`` and its optimizer ``opt`` (SRAdamW, built from this
-    run's flags) as :func:`recipe.checkpoint.load` does, with this run's settings applied or refused
+    run's flags) as :func:`recipe.run.checkpoint.load` does, with this run's settings applied or refused
     (module docstring), each change said through ``say``; returns this rank's client state.
 
     Raises:
         ValueError: A change that is refused (one line naming the flag).
-        CheckpointError: As :func:`recipe.checkpoint.load`.
+        CheckpointError: As :func:`recipe.run.checkpoint.load`.
     """
     tag_dir = Path(tag_dir)
     run = str(tag_dir.resolve().parent.parent)
