@@ -61,6 +61,7 @@ import torch.distributed as dist
 from .config import DataConfig
 from .data import SKIP_REASONS, build_eval_loader, expand_paths
 from .data.paths import canonical_format, detect_format
+from .distributed import rank_world
 from .zeroshot import IMAGENET, ZeroShotPrompts, find_zeroshot_file, get_zeroshot_prompts
 from .zeroshot.classifier import zero_shot_classifier  # re-exported: recipe.evaluate.zero_shot_classifier
 
@@ -85,13 +86,6 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
 
 def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def _distributed() -> tuple[int, int]:
-    """``(rank, world size)`` of an initialised process group, else ``(0, 1)``."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _progress(items: Iterable | None, enabled: bool, **kw: Any) -> Any:
@@ -162,7 +156,7 @@ def embed_split(
         torch.cat(txts) if txts else None,
         torch.cat(labels) if labels else None,
     )
-    if _distributed()[1] > 1:
+    if rank_world()[1] > 1:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
         parts = [g for g in gathered if g[0].numel()]

@@ -103,8 +103,9 @@ def grad_multiplier(params: torch.nn.Module | list[torch.Tensor], prec: Precisio
     return (inv * factor).float(), norm.float()
 
 
-def record_skip(state: TrainState, prec: Precision, skipped: bool, loss_nonfinite: bool, limit: int) -> None:
+def record_skip(state: TrainState, prec: Precision, skipped: bool, loss_nonfinite: bool, limit: int) -> bool:
     """Counts a skipped step and updates the loss scale; stops after ``limit`` non-finite steps in a row.
+    Returns whether the step was an fp16 overflow.
 
     On the fp16 route a step skipped with a finite loss is the loss scaler's overflow (counted in
     ``overflow_steps``), not a bad loss.
@@ -124,6 +125,7 @@ def record_skip(state: TrainState, prec: Precision, skipped: bool, loss_nonfinit
             f"{state.nonfinite_in_row} non-finite steps in a row at step {state.step}: stopping "
             "(loss or gradients are inf/NaN; lower the learning rate or check the data)"
         )
+    return overflow
 
 
 def train_step(
@@ -174,11 +176,11 @@ def train_step(
     with step_kwargs(opt, **kwargs) if ours else contextlib.nullcontext():
         engine.step()
     loss_nonfinite, skipped, stop = read_outcome(engine, opt, flags, skipped_before)
-    if grad_norm is not None and skipped and prec.loss_scaler is not None and not loss_nonfinite:
-        # an fp16 overflow: the scaled gradients left fp16's range (inf, or NaN where infinities met), so
-        # the unscaled norm is unknown; reported as inf whichever the sum gave
+    overflow = record_skip(state, prec, skipped, loss_nonfinite, max_nonfinite_in_row)
+    if grad_norm is not None and overflow:
+        # the scaled gradients left fp16's range (inf, or NaN where infinities met), so the unscaled norm
+        # is unknown; reported as inf whichever the sum gave
         grad_norm = torch.full_like(grad_norm, float("inf"))
-    record_skip(state, prec, skipped, loss_nonfinite, max_nonfinite_in_row)
     state.step += 1
     state.samples += passes.samples
     mean = {k: torch.stack([m[k] for m in metrics]).mean() for k in metrics[0]}

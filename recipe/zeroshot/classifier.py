@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from recipe.distributed import rank_world
+
 from . import ZeroShotPrompts
 
 __all__ = [
@@ -75,12 +77,6 @@ def class_chunks(num_classes: int, num_templates: int, max_prompts: int = 2048) 
 def rank_block(num_chunks: int, rank: int, world: int) -> tuple[int, int]:
     """``(first chunk, end chunk)`` of rank ``rank`` of ``world``: contiguous, sizes differ by at most one."""
     return num_chunks * rank // world, num_chunks * (rank + 1) // world
-
-
-def _distributed() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _partitioned(model: Any) -> bool:
@@ -168,7 +164,7 @@ def zero_shot_classifier(
     device = next(model.parameters()).device
     t = len(prompts.templates)
     chunks = class_chunks(len(prompts.classnames), t, max_prompts)
-    rank, world = _distributed()
+    rank, world = rank_world()
     blocks = [rank_block(len(chunks), r, world) for r in range(world)]
     first, end = blocks[rank]
     if lockstep is None:  # ZeRO-3 partitioned tower: its forward is a collective, so pad with dummy forwards
