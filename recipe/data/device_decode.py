@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import torch
 
 from .decode import ImagePipeline
-from .images import CropBox, CropSpec, Normalizer, batch_buffer, decode_crop, open_image, sample_crop
+from .images import CropBox, CropSpec, Normalizer, batch_buffer, decode_crop, open_image, sample_crop, uint8_hwc
 
 #: JPEG end-of-image marker; a file without one near its end is treated as possibly truncated.
 _EOI = b"\xff\xd9"
@@ -165,10 +165,7 @@ class DeviceTrainPipeline(ImagePipeline):
                 pass
             try:  # the CPU decoder is more forgiving than nvJPEG
                 with open_image(data.numpy().tobytes()) as img:
-                    img.load()
-                    rgb = img.convert("RGB")
-                w, h = rgb.size
-                pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(h, w, 3)
+                    pixels = uint8_hwc(img)
                 out.append(pixels.permute(2, 0, 1).to(device))
             except Exception:  # PIL raises many types for bad data
                 out.append(None)

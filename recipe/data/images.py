@@ -170,7 +170,7 @@ def open_image(data: bytes) -> Image.Image:
     return Image.open(io.BytesIO(data))
 
 
-def _to_uint8_hwc(img: Image.Image) -> torch.Tensor:
+def uint8_hwc(img: Image.Image) -> torch.Tensor:
     """A decoded image as a uint8 ``[H, W, 3]`` tensor over one copy of its pixels."""
     if img.mode != "RGB":
         img = img.convert("RGB")
@@ -195,7 +195,7 @@ def decode_crop(data: bytes, spec: CropSpec, draft: bool = False, box: CropBox |
         s = draft_scale(box, spec.size) if draft and img.format in ("JPEG", "MPO") else 1
         drafted = img.draft("RGB", (width // s, height // s)) if s > 1 else None
         img.load()
-        pixels = _to_uint8_hwc(img)
+        pixels = uint8_hwc(img)
     if drafted is not None and drafted[1][2] < width:
         box = reduce_box(box, width / drafted[1][2])
     return resize_crop(pixels, box, spec)
@@ -296,7 +296,7 @@ def resize_agreement(images: Sequence[bytes], image_data_config: Mapping[str, An
             rgb = img.convert("RGB")
         box = sample_crop(spec, *rgb.size)
         crop = rgb.crop((box.left, box.top, box.left + box.width, box.top + box.height))
-        ref = _to_uint8_hwc(crop.resize((spec.size[1], spec.size[0]), resample)).permute(2, 0, 1)
+        ref = uint8_hwc(crop.resize((spec.size[1], spec.size[0]), resample)).permute(2, 0, 1)
         ref = ref.flip(-1) if box.flip else ref
         got = decode_crop(data, spec, False, box)
         counts += torch.bincount((got.int() - ref.int()).abs().flatten(), minlength=256)
@@ -366,4 +366,5 @@ __all__ = [
     "resize_agreement",
     "resize_crop",
     "sample_crop",
+    "uint8_hwc",
 ]
