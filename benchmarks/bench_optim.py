@@ -80,9 +80,11 @@ launches replaced by a recorder that only records their arguments, for the layou
   ``optim.triton_kernel._launch(blocks, device, *args, **kwargs)`` and ``optim._cpu_kernel._kernel(spec)``
   stay the places that launch, the measurement follows any rewrite of the host path. A route that
   records no launch (the launch moved, or the step fell back to the eager path) is an error row.
+  Both launch points carry both of a plan step's launches: the gradient maxima (the Triton
+  ``grad_amax_kernel`` through ``_launch(..., kernel=...)``; the C++ reduction as ``_kernel(AMAX)``)
+  and the update, so a steady step records 2 (or one more per further specialisation or element width).
   Tensors have the layout's tensor *count* but ``--host-elements`` (default 1024) elements each (0:
-  the layout's own shapes): the gradient maxima run for real on CPU tensors (one C++ call; on CUDA a
-  ``_foreach_norm`` launch), and host time should not depend on sizes. Not included: what only a GPU
+  the layout's own shapes); host time should not depend on sizes. Not included: what only a GPU
   host pays (CUDA dispatch and launch per op, pinned allocations, events, the upload). One thread by
   default (``--threads``): on a GPU host the step's host work is single-threaded, and on a shared
   machine OpenMP's threads in the maxima call would measure contention. Reported: median, min, max
@@ -564,6 +566,7 @@ def host_time(shapes: Sequence[tuple[int, ...]], route: str, config: str = "bf16
         "launches_per_step_2x": statistics.median(launches[1]),
         "steps": steps,
         "deferred_skip": deferred,
+        "plan_walk": _walk(),
         "threads": torch.get_num_threads(),
     }
 
@@ -633,6 +636,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     threads = args.threads or (1 if args.host else None)
     if threads:
         torch.set_num_threads(threads)
+    from optim import _host
+
+    _host.wait()  # the plans' C++ walk built (or found unbuildable) before anything is timed
     try:
         return _run(args)
     finally:
@@ -697,6 +703,13 @@ def _run(args: argparse.Namespace) -> list[dict]:
     return all_rows
 
 
+def _walk() -> str:
+    """Which walk over the parameters the step plans take (optim._host)."""
+    from optim import _host
+
+    return "C++" if _host.native() else f"Python ({_host.unavailable_reason() or 'C++ not built yet'})"
+
+
 def _run_host(args: argparse.Namespace, save: Callable[[list[dict]], None]) -> list[dict]:
     warmup = args.warmup if args.warmup is not None else 5
     steps = args.iters if args.iters is not None else 60
@@ -711,7 +724,7 @@ def _run_host(args: argparse.Namespace, save: Callable[[list[dict]], None]) -> l
           f"CPU tensors of at most {args.host_elements or 'all their'} elements (each layout's tensor count); "
           f"median (min, max) of {steps} steps after {warmup} warm-up; fresh gradients every step ({args.grads} "
           "tensors); growth: the same route at 2x the tensors, interleaved; TRITON_INTERPRET="
-          f"{os.environ.get('TRITON_INTERPRET', 'unset')}")
+          f"{os.environ.get('TRITON_INTERPRET', 'unset')}; plan walk: {_walk()}")
     for name in names:
         shapes = layout(name, args.tensors, args.size)
         for route in routes:

@@ -24,12 +24,6 @@ load a half-written file. :func:`available` says whether building works here and
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from collections.abc import Sequence
@@ -38,10 +32,11 @@ from typing import Any
 
 import torch
 
+from . import _build as builder
 from ._rows import INT_WORDS, ROW_WORDS, Slot, Word, call_arguments, copy_back, metadata, prepare, specialisation
 from .functional import TensorStep
 
-__all__ = ["cpu_updates_", "grad_amax", "grad_amax_of", "amax_kinds", "plan_calls", "run", "available",
+__all__ = ["cpu_updates_", "grad_amax", "GradAmax", "AMAX", "plan_calls", "run", "available",
            "unavailable_reason", "library_path"]
 
 SOURCE = Path(__file__).with_name("csrc") / "sradamw_cpu.cpp"
@@ -58,34 +53,6 @@ FALLBACK_FLAGS = (
 _FNS: dict[tuple, Any] = {}
 _LOCK = threading.Lock()
 _ERROR: str | None = None
-_HOST: str | None = None  # compiler version + CPU features (part of every cache key)
-
-
-def _compiler() -> str:
-    cxx = os.environ.get("CXX")
-    if cxx:
-        return cxx
-    for name in ("c++", "g++", "clang++"):
-        found = shutil.which(name)
-        if found:
-            return found
-    raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-
-
-def _host_signature() -> str:
-    """The compiler's version and the CPU's feature flags: a library built for another host (a shared
-    cache directory) is never loaded."""
-    global _HOST
-    if _HOST is None:
-        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
-        features = platform.machine()
-        try:
-            with open("/proc/cpuinfo") as f:
-                features += next((line for line in f if line.startswith(("flags", "Features"))), "")
-        except OSError:
-            features += platform.processor()
-        _HOST = version + features
-    return _HOST
 
 
 def _defines(spec: tuple[tuple[str, Any], ...]) -> list[str]:
@@ -95,22 +62,11 @@ def _defines(spec: tuple[tuple[str, Any], ...]) -> list[str]:
     return layout + [f"-D{name}={int(value)}" for name, value in spec]
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("SRADAMW_CPU_CACHE")
-    if root:
-        return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "clip-sr-recipe" / "sradamw_cpu"
-
-
 def library_path(spec: tuple[tuple[str, Any], ...] | None, source: Path = SOURCE, flags: tuple[str, ...] = FLAGS
                  ) -> Path:
     """Where the library of one specialisation of ``source`` built with ``flags`` is cached (built or
     not); ``spec`` None: a source without specialisations."""
-    args = [*flags, *(_defines(spec) if spec is not None else [])]
-    texts = [source.read_text(), *(h.read_text() for h in sorted(source.parent.glob("*.h")))]  # + the headers
-    key = hashlib.sha256("\0".join([*texts, *args, _host_signature()]).encode()).hexdigest()[:24]
-    return _cache_dir() / f"{source.stem}_{key}.so"
+    return builder.library_path(source, [*flags, *(_defines(spec) if spec is not None else [])])
 
 
 def _build(spec: tuple[tuple[str, Any], ...] | None, source: Path = SOURCE) -> Path:
@@ -131,20 +87,8 @@ def _build(spec: tuple[tuple[str, Any], ...] | None, source: Path = SOURCE) -> P
 
 
 def _compile(spec: tuple[tuple[str, Any], ...] | None, source: Path, flags: tuple[str, ...]) -> Path:
-    path = library_path(spec, source, flags)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        cmd = [_compiler(), *flags, *(_defines(spec) if spec is not None else []), str(source), "-o", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"building the SRAdamW CPU kernel failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
-        os.replace(tmp, path)  # atomic: a concurrent builder renames an identical file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    args = [*flags, *(_defines(spec) if spec is not None else [])]
+    return builder.compile_library(source, args, what="the SRAdamW CPU kernel")
 
 
 def _load(key: Any, build, symbol: str, argtypes: list) -> Any:
@@ -161,8 +105,17 @@ def _load(key: Any, build, symbol: str, argtypes: list) -> Any:
     return fn
 
 
-def _kernel(spec: tuple[tuple[str, Any], ...]) -> Any:
-    """The update kernel of one specialisation."""
+#: :func:`_kernel`'s name for the gradient maxima's function (``optim/csrc/grad_amax_cpu.cpp``)
+AMAX = "grad_amax"
+
+
+def _kernel(spec: tuple[tuple[str, Any], ...] | str) -> Any:
+    """The update kernel of one specialisation, or (``AMAX``) the gradient maxima's function: the one
+    place that hands out the compiled functions (a host-time benchmark records here)."""
+    if spec == AMAX:
+        return _load("amax", lambda: _build(None, AMAX_SOURCE), "grad_amax_cpu",
+                     [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                      ctypes.c_int])
     return _load(spec, lambda: _build(spec), "sradamw_cpu_step",
                  [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
 
@@ -170,31 +123,39 @@ def _kernel(spec: tuple[tuple[str, Any], ...]) -> Any:
 _AMAX_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+class GradAmax:
+    """float32 ``[n]``: the largest magnitude of each of ``n`` contiguous CPU tensors (float32, bfloat16
+    or float16; NaN when one holds a NaN), all in one call (``optim/csrc/grad_amax_cpu.cpp``), given
+    their addresses; their dtypes and lengths are fixed when it is made (a step plan's gradients keep
+    theirs: autograd's ``.grad`` setter keeps a parameter's dtype and size)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        for g in tensors:
+            if g.device.type != "cpu" or g.dtype not in _AMAX_KIND:
+                raise ValueError(f"grad_amax takes float32/bfloat16/float16 CPU tensors, got {g.dtype} on {g.device}")
+        self.n = len(tensors)
+        self.meta = torch.tensor([0] * self.n + [g.numel() for g in tensors], dtype=torch.int64)  # addresses, numels
+        self.kinds = torch.tensor([_AMAX_KIND[g.dtype] for g in tensors], dtype=torch.int32)
+        self.out = torch.zeros(self.n, dtype=torch.float32)
+
+    def __call__(self, addresses: torch.Tensor) -> torch.Tensor:
+        """The maxima of the tensors at ``addresses`` (int64 ``[n]``; the caller keeps them alive), in a
+        buffer of this object's (overwritten by the next call)."""
+        self.meta[:self.n] = addresses
+        base = self.meta.data_ptr()
+        _kernel(AMAX)(base, base + 8 * self.n, self.kinds.data_ptr(), self.n, self.out.data_ptr(),
+                      torch.get_num_threads())
+        return self.out
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.meta, self.kinds, self.out]
+
+
 def grad_amax(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """float32 ``[len(grads)]``: the largest magnitude of each CPU tensor (float32, bfloat16 or float16;
-    NaN when it holds one), all in one call (``optim/csrc/grad_amax_cpu.cpp``)."""
+    NaN when it holds one), all in one call (:class:`GradAmax`)."""
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-    for g in grads:
-        if g.device.type != "cpu" or g.dtype not in _AMAX_KIND:
-            raise ValueError(f"grad_amax takes float32/bfloat16/float16 CPU tensors, got {g.dtype} on {g.device}")
-    meta = torch.tensor([g.data_ptr() for g in grads] + [g.numel() for g in grads], dtype=torch.int64)
-    return grad_amax_of(meta, amax_kinds(grads), torch.empty(len(grads), dtype=torch.float32), grads)
-
-
-def amax_kinds(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The dtype codes :func:`grad_amax_of` takes, int32 ``[len(grads)]``."""
-    return torch.tensor([_AMAX_KIND[g.dtype] for g in grads], dtype=torch.int32)
-
-
-def grad_amax_of(meta: torch.Tensor, kinds: torch.Tensor, out: torch.Tensor, keep: Any = None) -> torch.Tensor:
-    """:func:`grad_amax` into ``out`` (float32 ``[n]``) of ``n`` contiguous CPU tensors given by ``meta``
-    (int64 ``[2n]``: their addresses, then their element counts) and their :func:`amax_kinds` codes
-    (checked by the caller; ``keep``: the tensors, alive during the call). Returns ``out``."""
-    n = out.numel()
-    fn = _load("amax", lambda: _build(None, AMAX_SOURCE), "grad_amax_cpu",
-               [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int])
-    fn(meta.data_ptr(), meta.data_ptr() + 8 * n, kinds.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
-    return out
+    return GradAmax(grads)(torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)).clone()
 
 
 def available() -> bool:
@@ -213,7 +174,7 @@ def available() -> bool:
             _ERROR = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             warnings.warn(f"SRAdamW's CPU kernel cannot be built here ({_ERROR}); CPU tensors take the eager "
                           f"path (the same results, ~20x slower). Set CXX to a C++ compiler, or "
-                          f"SRADAMW_CPU_CACHE to a writable directory (now {_cache_dir()}).", RuntimeWarning,
+                          f"SRADAMW_CPU_CACHE to a writable directory (now {builder.cache_dir()}).", RuntimeWarning,
                           stacklevel=2)
     return _ERROR == ""
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from . import _host
 from ._rows import INT_WORDS, ROW_WORDS, Word, metadata, specialisation
 from .functional import HYPERPARAMETERS, TensorStep, _hyperparameters, state_scale
 from .rounding import fold_key, key_words_tensor
@@ -42,7 +43,6 @@ from .rounding import fold_key, key_words_tensor
 __all__ = ["Plan", "KeyWords", "group_signature"]
 
 _DATA_PTR = torch.Tensor.data_ptr
-_CONTIGUOUS = torch.Tensor.is_contiguous
 _G = int(Word.G)
 # the words a step rewrites: G, the four key words, then the float slots, adjacent (one write per step)
 assert [int(Word.G), int(Word.A_P), int(Word.B_P), int(Word.A_S), int(Word.B_S)] == list(range(_G, INT_WORDS))
@@ -107,13 +107,13 @@ class Plan:
 
     def __init__(self, opt: Any, items: Sequence[TensorStep], item_groups: Sequence[dict[str, Any]], kernel: str,
                  gmul_mode: int, rank: int, launch: Callable[..., None], place: Callable[[torch.Tensor], torch.Tensor],
-                 grad_amax: Callable[..., Any], amax_kinds: torch.Tensor | None, version: int) -> None:
+                 amax: Callable[[torch.Tensor], torch.Tensor], version: int) -> None:
         self.params = [s.param for s in items]
         self.version = version
         self.place = place  # a 1-element tensor where the kernels read it (float32 [1])
         self.device = self.params[0].device
         self.kernel, self.gmul_mode, self.rank = kernel, gmul_mode, rank
-        self._launch, self._grad_amax, self.amax_kinds = launch, grad_amax, amax_kinds
+        self._launch, self.amax = launch, amax  # the kernel's gradient maxima, from the gradients' addresses
         self.param_ptrs = list(map(_DATA_PTR, self.params))
         states = [opt.state[p] for p in self.params]
 
@@ -170,19 +170,27 @@ class Plan:
         prefixes = [opt._key_prefix(rank, int(opt.state[items[i].param]["index"])) for i in self.row_of]
         self.keys = KeyWords(torch.tensor(prefixes, dtype=torch.int64), ahead=max(8, min(256, 65536 // max(1, self.rows))))
 
-        # the maxima's inputs on the CPU: numels (and the dtype codes, given) never change
-        n = len(self.params)
-        self.amax_meta = torch.cat([torch.zeros(n, dtype=torch.int64),
-                                    torch.tensor([p.numel() for p in self.params], dtype=torch.int64)])
-        self.amax_out = torch.empty(n, dtype=torch.float32)
         self.launches = self._launch_groups()
 
+        # what a step's walk over the parameters (optim._host.gather) checks against and writes into
+        assert self.table.is_contiguous() and self.table.shape[1:] == (ROW_WORDS,)
+        self.param_ptrs_tensor = _as_int64(self.param_ptrs)
+        n = len(self.params)
+        g_words = [-1] * n
+        for r, i in enumerate(self.row_of):
+            g_words[i] = r * ROW_WORDS + _G
+        self.g_words = _as_int64(g_words)
+        self.grad_ptrs = torch.zeros(n, dtype=torch.int64)  # the gradients' addresses
+        self.python_rows = None if self.rows_in_order else self.row_index
+
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the plan owns (its tables, counters, bounds, scales, key words), for memory
-        accounting; on the CPU but the float16 bounds and scales, which live with the parameters."""
+        """Every tensor the plan owns (its tables, counters, bounds, scales, key words, the maxima's
+        buffers), for memory accounting; on the CPU but the float16 bounds and scales and the Triton
+        kernels' block tables and maxima buffers, which live with the parameters."""
         out = [self.table, self.steps, self.row_index, self.row_group, self.scaled_group, self.keys.prefixes,
-               self.amax_meta, self.amax_out]
-        out += [t for t in (self.keys.block, self.amax_kinds, self.scaled_index) if t is not None]
+               self.grad_ptrs, self.param_ptrs_tensor, self.g_words]
+        out += [t for t in (self.keys.block, self.scaled_index) if t is not None]
+        out += self.amax.tensors()
         if self.scaled_index is not None:
             out += [self.bounds, self.scales]
         if self.kernel == "triton":
@@ -211,38 +219,32 @@ class Plan:
         return plan_calls(self.groups_of_rows)
 
     # ------------------------------------------------------------------------------------------
-    def usable(self, grads: list[torch.Tensor], groups: Sequence[dict[str, Any]], rank: int,
-               gmul_mode: int) -> torch.Tensor | None:
-        """The gradients' addresses (int64 ``[len(params)]``, in the order of the parameters) when this
-        step can run on the plan: the same groups with the same signatures, rank and gradient-multiplier
-        form, the parameters where they were, contiguous gradients; else None."""
+    def usable(self, groups: Sequence[dict[str, Any]], rank: int, gmul_mode: int) -> int:
+        """Whether this step can run on the plan, as a code of :mod:`optim._host`: ``OK`` when the groups
+        are the plan's with the same signatures, rank and gradient-multiplier form and the parameters
+        with gradients are the plan's, where they were, with contiguous gradients (whose addresses are
+        then in :attr:`grad_ptrs` and the table); ``OTHER_TENSORS`` when the step is over other tensors
+        or settings; ``MOVED`` / ``NOT_CONTIGUOUS`` when this plan's tensors can no longer use it."""
         if not (rank == self.rank and gmul_mode == self.gmul_mode and len(groups) == len(self.groups)
                 and all(map(operator.is_, groups, self.groups))
-                and [group_signature(g) for g in groups] == self.signatures
-                and all(map(_CONTIGUOUS, grads))):
-            return None
-        n = len(self.params)
-        addresses = list(map(_DATA_PTR, self.params + grads))  # one pass: parameters, then gradients
-        if addresses[:n] != self.param_ptrs:  # a parameter's .data was replaced: check it all again
-            return None
-        return _as_int64(addresses[n:])
+                and [group_signature(g) for g in groups] == self.signatures):
+            return _host.OTHER_TENSORS
+        return _host.gather([g["params"] for g in groups], self.params, self.param_ptrs, self.param_ptrs_tensor,
+                            self.table, self.g_words, self.python_rows, _G, self.grad_ptrs)
 
-    def grad_maxima(self, grads: list[torch.Tensor], addresses: torch.Tensor) -> torch.Tensor:
-        """float32 ``[len(params)]``: each gradient's largest magnitude (the general path's reduction)."""
-        if self.amax_kinds is not None:  # the C reduction, into the plan's buffers
-            self.amax_meta[:len(self.params)] = addresses
-            return self._grad_amax(self.amax_meta, self.amax_kinds, self.amax_out, grads)
-        return self._grad_amax(grads)
+    def grad_maxima(self) -> torch.Tensor:
+        """float32 ``[len(params)]``: each gradient's largest magnitude (the general path's reduction),
+        after :meth:`usable` said ``OK``."""
+        return self.amax(self.grad_ptrs)  # one call of the kernel's reduction, from the gathered addresses
 
-    def step(self, groups: Sequence[dict[str, Any]], addresses: torch.Tensor, grad_mul: torch.Tensor | float | None,
+    def step(self, groups: Sequence[dict[str, Any]], grad_mul: torch.Tensor | float | None,
              gmul_value: float, gmul_tensor: torch.Tensor | None, skip: torch.Tensor | None,
              maxima: torch.Tensor | None) -> None:
-        """Advances the counters and issues the step's launches (``skip``: the 0-dim bool device skip
-        flag on the plan's device, or None; ``maxima``: :meth:`grad_maxima`, needed with float16
-        statistics)."""
+        """Advances the counters and issues the step's launches, after :meth:`usable` said ``OK`` (the
+        gradients' addresses are in the table; ``skip``: the 0-dim bool device skip flag on the plan's
+        device, or None; ``maxima``: :meth:`grad_maxima`, needed with float16 statistics)."""
         self.steps.add_(1)
         if self.rows:
-            grads = (addresses if self.rows_in_order else addresses[self.row_index]).unsqueeze(1)
             if self.uniform:
                 t = int(self.steps[0])  # a CPU tensor: no device sync
                 keys = self.keys.at(t)
@@ -253,7 +255,7 @@ class Plan:
                 row_steps = self.steps[self.row_index]
                 keys = self.keys.each(row_steps)
                 floats = self._floats_each(groups, row_steps.tolist(), gmul_value)
-            self.table[:, _G:] = torch.cat([grads, keys, floats], 1)
+            self.table[:, _G + 1:] = torch.cat([keys, floats], 1)
         if self.scaled_index is not None:
             self._scales(groups, grad_mul, skip, maxima)
         if self.rows:

@@ -19,10 +19,11 @@ from ._rows import INT_WORDS, ROW_WORDS, Kind, Master, Slot, Word
 
 triton, tl = load()
 
-__all__ = ["Word", "Slot", "Kind", "Master", "INT_WORDS", "ROW_WORDS", "sradamw_kernel"]
+__all__ = ["Word", "Slot", "Kind", "Master", "INT_WORDS", "ROW_WORDS", "sradamw_kernel", "grad_amax_kernel"]
 
 
 sradamw_kernel: Any = None  # the @triton.jit kernel; None without Triton
+grad_amax_kernel: Any = None  # the gradients' maxima of a step plan (optim.triton_kernel.GradAmax)
 
 if triton is not None:
 
@@ -296,3 +297,30 @@ if triton is not None:
                        V_KIND, MASTER, SCALE_M, SCALE_V, SR_P, SR_M, SR_V, GMUL, CLAMP, ALIGNED, True)
 
     sradamw_kernel = _sradamw_kernel
+
+    @triton.jit
+    def _grad_amax_kernel(addr_ptr, numel_ptr, index_ptr, blocks_ptr, out_ptr, WIDE: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """One program = one block of one gradient: the largest magnitude's bit pattern of the block
+        (sign bit cleared: for non-negative floats the order of the patterns is the order of the values,
+        infinity above every finite value and NaN above infinity), maxed into ``out_ptr[j]`` (int32) for
+        the block's tensor ``j``. ``blocks_ptr``: int32 ``(row, block)`` pairs over the launch's tensors,
+        ``index_ptr``: int32, each row's ``j``; ``addr_ptr``/``numel_ptr``: int64 address and length of
+        every tensor ``j``. ``WIDE``: 32-bit elements (float32), else 16-bit (bfloat16, float16)."""
+        pid = tl.program_id(0)
+        r = tl.load(blocks_ptr + 2 * pid)
+        start = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64) * BLOCK
+        j = tl.load(index_ptr + r)
+        addr = tl.load(addr_ptr + j)
+        n = tl.load(numel_ptr + j)
+        offs = tl.arange(0, BLOCK)
+        inside = offs < tl.minimum(n - start, BLOCK).to(tl.int32)
+        if WIDE:
+            x = tl.load(addr.to(tl.pointer_type(tl.int32)) + start + offs, mask=inside, other=0)
+            m = tl.max(x & 0x7FFFFFFF, 0)
+        else:
+            x = tl.load(addr.to(tl.pointer_type(tl.int16)) + start + offs, mask=inside, other=0)
+            m = tl.max(x.to(tl.int32) & 0x7FFF, 0)
+        tl.atomic_max(out_ptr + j, m)
+
+    grad_amax_kernel = _grad_amax_kernel

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import copy
-import operator
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from itertools import repeat
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from . import _triton
+from . import _host, _triton
 from .functional import (
     STREAM_PARAM,
     STREAM_STATE,
@@ -85,13 +83,13 @@ def _grad_amax(grads: list[torch.Tensor]) -> torch.Tensor:
 
         if _cpu_kernel.available():
             return _cpu_kernel.grad_amax(grads)
-        ends = [torch.aminmax(g) for g in grads]
-        return torch.stack([torch.maximum(lo.abs(), hi.abs()) for lo, hi in ends]).to(torch.float32)
+        zero = torch.zeros((), dtype=torch.float32)
+        ends = [torch.aminmax(g) if g.numel() else (zero, zero) for g in grads]  # an empty tensor: 0 (no identity)
+        return torch.stack([torch.maximum(lo.abs(), hi.abs()).to(torch.float32) for lo, hi in ends])
     return torch.stack(torch._foreach_norm(grads, float("inf"))).to(torch.float32)
 
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_GRAD = operator.attrgetter("grad")
 _MAX_PLANS = 8
 
 
@@ -751,26 +749,21 @@ class SRAdamW(Optimizer):
         memory accounting."""
         return [t for plan in self._plans for t in plan.tensors()]
 
-    def _plan_kind(self, device: torch.device) -> tuple[str, Callable[..., None], Callable, Callable, Any] | None:
-        """``(kind, launch, place, grad_amax, amax_kinds_of)`` of the kernel that updates ``device``'s
-        tensors, or None on the eager path (no plan: it is the reference)."""
+    def _plan_kind(self, device: torch.device) -> tuple[str, Callable[..., None], Callable, Callable] | None:
+        """``(kind, launch, place, make_amax)`` of the kernel that updates ``device``'s tensors, or None on
+        the eager path (no plan: it is the reference). ``make_amax(grads)`` gives the kernel's gradient
+        maxima for those gradients' dtypes and lengths, called with their addresses."""
         update = self._update_for(device)
         if update is _pytorch_updates_:
             return None
-        if device.type == "cpu":
-            from . import _cpu_kernel
-
-            amax = (_cpu_kernel.grad_amax_of, _cpu_kernel.amax_kinds) if _cpu_kernel.available() else (_grad_amax, None)
-        else:
-            amax = (_grad_amax, None)
         if update is getattr(_fused_kernel(), "sradamw_fused_", None):
             from . import triton_kernel
 
             return ("triton", lambda table, launches, skip, gmul: triton_kernel.launch(table, launches, device, skip, gmul),
-                    lambda x: triton_kernel._flag_on(x, device), *amax)
+                    lambda x: triton_kernel._flag_on(x, device), lambda grads: triton_kernel.GradAmax(grads, device))
         from . import _cpu_kernel
 
-        return "cpu", _cpu_kernel.run, _cpu_kernel._cpu_float, *amax
+        return "cpu", _cpu_kernel.run, _cpu_kernel._cpu_float, _cpu_kernel.GradAmax
 
     def _leave_plan(self, specs: dict[torch.device, list[TensorStep]], todo: list[tuple[torch.Tensor, dict[str, Any]]],
                     grad_mul: torch.Tensor | float | None, rank: int) -> None:
@@ -784,41 +777,41 @@ class SRAdamW(Optimizer):
         kind = self._plan_kind(device)
         if kind is None or not all(s.param.is_contiguous() and s.grad.is_contiguous() for s in items):
             return
-        name, launch, place, grad_amax, kinds_of = kind
+        name, launch, place, make_amax = kind
         gmul_mode = call_arguments(grad_mul, None, place)[0]
-        plan = Plan(self, items, [g for _, g in todo], name, gmul_mode, rank, launch, place, grad_amax,
-                    kinds_of([s.grad for s in items]) if kinds_of is not None else None, self._version.value)
+        plan = Plan(self, items, [g for _, g in todo], name, gmul_mode, rank, launch, place,
+                    make_amax([s.grad for s in items]), self._version.value)
         self._plans = [plan, *self._plans][:_MAX_PLANS]
 
     def _plan_step(self, found_inf: Any, grad_mul: torch.Tensor | float | None) -> bool:
         """One step on a plan when one fits (the same tensors with gradients as the step that left it,
         nothing changed under it: :meth:`optim._plan.Plan.usable`); False leaves the step to the general
         path. The order of work is the general path's: maxima, skip decision, counters, scales, update."""
-        flat = [p for group in self.param_groups for p in group["params"]]
-        grads = list(map(_GRAD, flat))
-        if any(map(operator.is_, grads, repeat(None))):
-            flat = [p for p, g in zip(flat, grads) if g is not None]
-            grads = [g for g in grads if g is not None]
-        plan = next((pl for pl in self._plans if len(pl.params) == len(flat) and all(map(operator.is_, flat, pl.params))),
-                    None)
-        if plan is None:
-            return False
-        gmul_mode, gmul_value, gmul_tensor, _ = call_arguments(grad_mul, None, plan.place)
-        addresses = None
-        if plan.version == self._version.value:
-            addresses = plan.usable(grads, self.param_groups, self._rank(), gmul_mode)
-        if addresses is None:
-            self._plans.remove(plan)
+        gmul_mode = gmul_value = gmul_tensor = place = None
+        rank = self._rank()
+        for plan in self._plans:
+            if plan.version != self._version.value:
+                continue  # the state changed under it: the general path retires it
+            if plan.place is not place:  # the multiplier's form where this plan's kernels read it
+                place = plan.place
+                gmul_mode, gmul_value, gmul_tensor, _ = call_arguments(grad_mul, None, place)
+            code = plan.usable(self.param_groups, rank, gmul_mode)
+            if code == _host.OK:
+                break
+            if code != _host.OTHER_TENSORS:  # its tensors moved or a gradient is not contiguous: retire it
+                self._plans.remove(plan)
+                return False
+        else:
             return False
         scaled = plan.scaled_index is not None
-        maxima = {plan.device: plan.grad_maxima(grads, addresses)} if self.check_finite or scaled else {}
+        maxima = {plan.device: plan.grad_maxima()} if self.check_finite or scaled else {}
         skip = self._skip_flag(found_inf, grad_mul, maxima)
         if skip is True:
             self._skipped_steps += 1
             return True
         device_skip = skip.to(plan.device) if isinstance(skip, torch.Tensor) else None
         pending = _PendingSkip(skip) if device_skip is not None else None
-        plan.step(self.param_groups, addresses, grad_mul, gmul_value, gmul_tensor, device_skip,
+        plan.step(self.param_groups, grad_mul, gmul_value, gmul_tensor, device_skip,
                   maxima.get(plan.device))
         if pending is not None:
             pending.counters = plan.steps

@@ -53,6 +53,7 @@ __all__ = [
     "interpreting",
     "DEFAULT_BLOCK",
     "DEFAULT_NUM_WARPS",
+    "GradAmax",
 ]
 
 #: Elements per program and warps per program on the GPU. 2048 elements over 16 warps is 4 per
@@ -120,9 +121,10 @@ def _block_table(numels: tuple[int, ...], block: int, device: torch.device) -> t
     return table
 
 
-def _launch(blocks: torch.Tensor, device: torch.device, *args: Any, **kwargs: Any) -> None:
-    """Launches one program per row of ``blocks`` on ``device`` (Triton uses the current device)."""
-    kernel = _jit.sradamw_kernel
+def _launch(blocks: torch.Tensor, device: torch.device, *args: Any, kernel: Any = None, **kwargs: Any) -> None:
+    """Launches one program per row of ``blocks`` on ``device`` (Triton uses the current device): the
+    update kernel, or ``kernel`` (the one place that launches either; a host-time benchmark records here)."""
+    kernel = kernel if kernel is not None else _jit.sradamw_kernel
     if device.type == "cuda":
         with torch.cuda.device(device):
             kernel[(blocks.shape[0],)](*args, **kwargs)
@@ -244,3 +246,67 @@ def sradamw_update_fused_(
         found_inf=found_inf,
         block_size=block_size,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# A step plan's gradient maxima
+# ----------------------------------------------------------------------------------------------
+AMAX_BLOCK = 4096
+AMAX_NUM_WARPS = 8
+_AMAX_WIDE = {torch.float32: True, torch.bfloat16: False, torch.float16: False}
+
+
+class GradAmax:
+    """The largest magnitude of each of a plan's gradients (NaN when one holds a NaN), as float32 ``[n]``
+    on their device: one launch per element width over all of them, reading the addresses the plan's
+    walk found (uploaded with one copy). Equal to ``optim.sradamw._grad_amax`` (exact maxima of
+    magnitudes), at a fixed host cost however many tensors: no per-tensor Python objects (the general
+    path's ``_foreach_norm`` returns one tensor per gradient).
+
+    Built once per plan from that step's gradients (their dtypes and lengths stay: autograd's ``.grad``
+    setter keeps a parameter's dtype and size)."""
+
+    def __init__(self, grads: Sequence[torch.Tensor], device: torch.device) -> None:
+        _check_ready(device)
+        self.device = device
+        dtypes = [g.dtype for g in grads]
+        if any(d not in _AMAX_WIDE for d in dtypes):
+            raise ValueError(f"gradient maxima take float32/bfloat16/float16 gradients, got {sorted(set(map(str, dtypes)))}")
+        self.numels = _upload(torch.tensor([g.numel() for g in grads], dtype=torch.int64), device)
+        self.bits = torch.zeros(len(grads), dtype=torch.int32, device=device)
+        self.launches = []
+        for wide in (True, False):
+            index = [j for j, d in enumerate(dtypes) if _AMAX_WIDE[d] == wide and grads[j].numel()]
+            if index:
+                blocks = _block_table(tuple(grads[j].numel() for j in index), AMAX_BLOCK, device)
+                self.launches.append((wide, _upload(torch.tensor(index, dtype=torch.int32), device), blocks))
+        kinds = set(dtypes)
+        self.single = dtypes[0] if len(kinds) == 1 else None
+        if self.single is None:  # mixed dtypes: each tensor's pattern widened by its dtype
+            self.is_bf16 = _upload(torch.tensor([d == torch.bfloat16 for d in dtypes]), device)
+            self.is_f16 = _upload(torch.tensor([d == torch.float16 for d in dtypes]), device)
+
+    def __call__(self, addresses: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n]`` for the gradients at ``addresses`` (int64 CPU ``[n]``); never read on the host."""
+        addrs = _upload(addresses, self.device)
+        self.bits.zero_()
+        for wide, index, blocks in self.launches:
+            _launch(blocks, self.device, addrs, self.numels, index, blocks, self.bits, WIDE=wide, BLOCK=AMAX_BLOCK,
+                    num_warps=AMAX_NUM_WARPS, kernel=_jit.grad_amax_kernel)
+        return self._widen(self.bits)
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.numels, self.bits, *(t for _, index, blocks in self.launches for t in (index, blocks))]
+        return out + ([self.is_bf16, self.is_f16] if self.single is None else [])
+
+    def _widen(self, bits: torch.Tensor) -> torch.Tensor:
+        """The patterns as float32 values (exact)."""
+        if self.single is torch.float32:
+            return bits.view(torch.float32)
+        if self.single is torch.bfloat16:
+            return (bits << 16).view(torch.float32)
+        if self.single is torch.float16:
+            return bits.to(torch.int16).view(torch.float16).to(torch.float32)
+        wide = bits.view(torch.float32)
+        return torch.where(self.is_bf16, (bits << 16).view(torch.float32),
+                           torch.where(self.is_f16, bits.to(torch.int16).view(torch.float16).to(torch.float32), wide))

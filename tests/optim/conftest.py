@@ -11,7 +11,7 @@ from optim import _cpu_kernel
 def eager_cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs ``SRAdamW(fused=None)`` on CPU tensors through the eager path (the definition) in every optim
     test but tests/optim/test_cpu_kernel.py, which proves the CPU kernel bit-identical to it for every
-    route, and tests/optim/test_plan.py, which proves the step plans (a kernel route) invisible: the
+    route, and tests/optim/test_plan.py and test_host.py, which prove the step plans (a kernel route) invisible: the
     semantic tests then check the definition itself."""
-    if request.module.__name__.rsplit(".", 1)[-1] not in ("test_cpu_kernel", "test_plan"):
+    if request.module.__name__.rsplit(".", 1)[-1] not in ("test_cpu_kernel", "test_plan", "test_host"):
         monkeypatch.setattr(_cpu_kernel, "available", lambda: False)

@@ -699,3 +699,17 @@ def test_cuda_step_does_not_synchronise(dtype: torch.dtype, kw: dict) -> None:
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert opt.skipped_steps == 0
+
+
+def test_an_empty_parameter_with_a_gradient_steps_on_the_eager_path() -> None:
+    """The eager path's gradient maxima (no C++ compiler on the machine) take an empty tensor (0, as the
+    C++ reduction gives) instead of failing in ``aminmax``; the other tensors step as torch's AdamW."""
+    empty, p = torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    ref = torch.nn.Parameter(p.detach().clone())
+    empty.grad, p.grad, ref.grad = torch.zeros(0), torch.tensor([0.5, 0.25, -1.0]), torch.tensor([0.5, 0.25, -1.0])
+    opt = SRAdamW([empty, p], lr=0.1, weight_decay=0.0, fused=False)
+    torch_opt = torch.optim.AdamW([ref], lr=0.1, weight_decay=0.0)
+    opt.step()
+    torch_opt.step()
+    assert empty.numel() == 0 and opt.state[empty]["step"] == 1
+    torch.testing.assert_close(p, ref, rtol=0, atol=1e-6)

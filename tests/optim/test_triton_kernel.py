@@ -444,6 +444,20 @@ for name, (kinds, state, rounding, aligned) in variants.items():
         st_v4=len(re.findall(r"st\\.global\\S*\\.v4\\.b32", ptx)),
         fma=ptx.count("fma.rn.f32"),
     )
+from optim._sradamw_jit import grad_amax_kernel  # a step plan's gradient maxima: both element widths
+for wide in (True, False):
+    sig = dict(addr_ptr="*i64", numel_ptr="*i64", index_ptr="*i32", blocks_ptr="*i32", out_ptr="*i32",
+               WIDE="constexpr", BLOCK="constexpr")
+    kernel = triton.compile(ASTSource(fn=grad_amax_kernel, signature=sig, constexprs=dict(WIDE=wide, BLOCK=tk.AMAX_BLOCK)),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": tk.AMAX_NUM_WARPS})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        log = subprocess.run([knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    report["amax-32" if wide else "amax-16"] = dict(
+        cubin=len(kernel.asm["cubin"]), regs=int(re.search(r"Used (\\d+) registers", log).group(1)),
+        spills=int(re.search(r"(\\d+) bytes spill stores", log).group(1)), atom=kernel.asm["ptx"].count("atom.global"))
 print(json.dumps(report))
 """
 
@@ -464,6 +478,9 @@ def test_kernel_compiles_for_sm90_without_a_gpu() -> None:
     report = json.loads(res.stdout.strip().splitlines()[-1])
     per_thread = tk.DEFAULT_BLOCK // (32 * tk.DEFAULT_NUM_WARPS)
     assert per_thread == 4
+    amax = {name: report.pop(name) for name in ("amax-32", "amax-16")}
+    for name, r in amax.items():  # compiled, no spills, one atomic max per program
+        assert r["cubin"] > 0 and r["spills"] == 0 and r["regs"] <= 64 and r["atom"] >= 1, (name, r)
     for name, r in report.items():
         assert r["cubin"] > 0, name
         assert r["fma"] == 0, (name, r)
@@ -542,3 +559,29 @@ def test_tensor_beyond_2_31_elements_on_gpu() -> None:
     tk.sradamw_update_fused_(*window, index_offset=lo, **kw)
     for whole, part in zip((p, m, v), (window[0], window[2], window[3])):
         assert_same_bits(whole[lo:hi], part)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mixed", [False, True], ids=["one dtype", "mixed dtypes"])
+def test_plan_gradient_maxima_equal_the_general_paths(device: str, mixed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step plan's gradient maxima (tk.GradAmax: one launch per element width, from the gradients'
+    addresses) equal the general path's ``_grad_amax`` bit for bit: finite values, an infinity, a NaN
+    (it must win over the infinity), an empty tensor, tensors of several blocks and a partial block."""
+    from optim.sradamw import _grad_amax
+
+    monkeypatch.setattr(tk, "AMAX_BLOCK", 64)  # several blocks per tensor at these sizes
+    gen = torch.Generator().manual_seed(5)
+    sizes = [300, 0, 64, 1, 129, 1000]
+    dtypes = [DTYPES[i % 3] if mixed else torch.bfloat16 for i in range(len(sizes))]
+    grads = [(torch.randn(n, generator=gen) * 10 ** (i - 2)).to(d).to(device) for i, (n, d) in enumerate(zip(sizes, dtypes))]
+    grads[2][17] = -float("inf")
+    grads[5][3], grads[5][900] = float("inf"), float("nan")
+    amax = tk.GradAmax(grads, torch.device(device))
+    addresses = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
+    got, want = amax(addresses).cpu(), _grad_amax(grads).cpu()
+    assert torch.isnan(got[5]) and torch.isinf(got[2])
+    assert_same_bits(torch.nan_to_num(got, nan=-1.0), torch.nan_to_num(want, nan=-1.0))
+    # the next step: new values at new addresses, the same buffers
+    grads = [g.clone() * 0.5 for g in grads]
+    got = amax(torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)).cpu()
+    assert_same_bits(torch.nan_to_num(got, nan=-1.0), torch.nan_to_num(_grad_amax(grads).cpu(), nan=-1.0))
