@@ -43,15 +43,22 @@ together with per-tile partial sums of ``dS * (x . y)`` for the logit-scale grad
 GEMMs (tensor cores for 16-bit features) then give the band's column gradients
 ``d cols[band] = dS_band^T rows`` (complete, fp32 accumulation, one rounding) and add
 ``dS_band cols[band]`` into an fp32 ``(M, D)`` accumulator of the row gradients. A band entry costs
-6 bytes of traffic against ``6 D`` flops, so the GEMMs stay compute-bound; ``band_cols`` is at least
-1,024 on the GPU so that the accumulator update is too. A band taller than ``band_rows_bytes``
+6 bytes of traffic against ``6 D`` flops, so the GEMMs stay compute-bound. The accumulator is the
+one place where the band's width matters: every band reads and writes the whole fp32 ``(M, D)``
+accumulator (``8 M D`` bytes) for ``2 M W D`` flops, ``W / 4`` flop per byte; the column gradient of
+a row chunk of ``R`` rows likewise costs ``R / 4``. The H200's ridge is ~185 flop/byte (784 TFLOP/s
+bf16, 4.23 TB/s), so ``band_cols`` is at least 4,096 on the GPU (1,024 flop/byte, whatever the
+batch): a width derived from ``band_bytes / M`` alone shrank with the batch (4,096 columns at
+``B = 32768``, 1,024 at 131,072: 256 flop/byte, at the ridge), which fits the growth of the time
+over the FLOP floor with the batch measured on the H200 before (1.49x at 32k, 1.69x at 131k; the next
+``benchmarks/gpu_check.sh`` measures the wider bands). A band taller than ``band_rows_bytes``
 (128 MiB) of ``dS`` is computed a row chunk at a time, its column gradient summed over the chunks in
 an fp32 ``band_cols x D`` buffer; at the end the fp32 row accumulator is converted to the features'
 dtype inside its own storage (no second ``M x D`` tensor). Extra memory: one band chunk, the fp32
 row accumulator, the column gradient and the partial statistics: ``O(B D)``, the logits block never
-exists. At ``B = 131072``, ``D = 1024``, bf16: 909 MiB including both inputs' gradients (was 1289;
-the census runs shape for shape on the meta device in tests/recipe/loss/test_fused.py, and gave the
-H200's measured 1288 MiB for the earlier code).
+exists. At ``B = 131072``, ``D = 1024``, bf16: 933 MiB with 4,096-column bands (909 with 1,024),
+including both inputs' gradients (was 1289; the census runs shape for shape on the meta device in
+tests/recipe/loss/test_fused.py, and gave the H200's measured 1288 MiB for the earlier code).
 
 The logit bias is not applied inside the kernels: softmax cross-entropy is invariant to a constant
 added to a row, so it changes neither the loss nor any other gradient and its own gradient is exactly
@@ -123,7 +130,8 @@ class FusedConfig:
             ``band_bytes`` worth of ``dS`` but at least ``min_band_cols`` (GPU) or one tile
             (interpreter, so that the band accumulation is exercised).
         band_bytes: Target size of one ``dS`` band (sets its width).
-        min_band_cols: Smallest band on the GPU (keeps the accumulating GEMM compute-bound).
+        min_band_cols: Smallest band on the GPU: the row-gradient accumulator's GEMM does ``W / 4``
+            flop per byte of fp32 accumulator traffic, so 4,096 keeps it at ~5x the H200's ridge.
         band_rows: Rows of the band computed at a time (a multiple of ``block_m``); ``None``: at most
             ``band_rows_bytes`` of ``dS`` at once (the whole height when that fits). A band taller than
             that is walked in row chunks, its column gradient summed over them in fp32.
@@ -140,7 +148,7 @@ class FusedConfig:
     programs: int | None = None
     band_cols: int | None = None
     band_bytes: int = 256 * 2**20
-    min_band_cols: int = 1024
+    min_band_cols: int = 4096
     band_rows: int | None = None
     band_rows_bytes: int = 128 * 2**20
 

@@ -574,3 +574,25 @@ def test_interpreter_variant_in_subprocess() -> None:
         check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert res.returncode == 0, res.stdout[-3000:]
+
+
+H200_RIDGE = 784e12 / 4.23e12  # flop per byte where the H200's bf16 matmul stops being memory-bound
+
+
+@pytest.mark.parametrize("batch", [32768, 65536, 131072])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_backward_accumulators_stay_compute_bound_at_every_batch(batch: int, dtype: torch.dtype,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27.4's CPU proxy for "the time over the FLOP floor does not grow with the batch": the two
+    accumulating GEMMs of the backward read and write fp32 accumulators once per band (rows: ``8 M D``
+    bytes for ``2 M W D`` flops) or per row chunk (columns: ``8 W D`` bytes for ``2 R W D`` flops), so
+    their flop per byte is ``W / 4`` and ``R / 4``. With the GPU's band choice both stay >= 4x the
+    H200's ridge (~185) at every batch, D = 1024 (the width once shrank as 1/B: 256 at B = 131072)."""
+    monkeypatch.setattr(lk, "interpreting", lambda: False)
+    cfg = lk.default_config(dtype, 1024)
+    elem = torch.finfo(dtype).bits // 8
+    width = lk._band_cols(cfg, batch, batch, elem)
+    rows = lk._band_rows(cfg, batch, width, elem)
+    row_acc, col_acc = width / 4, rows / 4
+    assert row_acc >= 4 * H200_RIDGE and col_acc >= 4 * H200_RIDGE, (width, rows)
+    assert rows * width * elem <= cfg.band_rows_bytes  # the band chunk still bounds the memory
