@@ -84,16 +84,19 @@ CPU_CHUNK = 256
 
 
 def _fused_with_tiles(spec: str, dtype: torch.dtype, dim: int) -> LossFn:
-    """World-size-1 fused loss with an explicit tile configuration ``<BM>x<BN>x<BK>w<warps>s<stages>``."""
+    """World-size-1 fused loss with an explicit tile configuration ``<BM>x<BN>x<BK>w<warps>s<stages>``,
+    optionally ``b<cols>``: the backward's smallest band width (``min_band_cols``)."""
     from recipe.loss import fused
 
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)", spec)
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:b(\d+))?", spec)
     if match is None:
-        raise SystemExit(f"--fused-tiles: expected e.g. 128x128x64w8s3, got {spec!r}")
-    bm, bn, bk, warps, stages = map(int, match.groups())
+        raise SystemExit(f"--fused-tiles: expected e.g. 128x128x64w8s3 or 128x64x64w8s3b1024, got {spec!r}")
+    bm, bn, bk, warps, stages = map(int, match.groups()[:5])
     cfg = dataclasses.replace(
         fused.default_config(dtype, dim), block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages
     )
+    if match.group(6):
+        cfg = dataclasses.replace(cfg, min_band_cols=int(match.group(6)))
 
     def loss(image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         ce_i2t, ce_t2i, _, _ = fused.fused_symmetric_cross_entropy(image, text, scale.float(), cfg)
@@ -290,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
         "--fused-tiles",
         nargs="+",
         default=[],
-        help="extra fused rows with tiles <BM>x<BN>x<BK>w<warps>s<stages>, e.g. 128x128x64w8s3",
+        help="extra fused rows with tiles <BM>x<BN>x<BK>w<warps>s<stages>[b<min band columns>], e.g. "
+        "128x128x64w8s3, or 128x64x64w8s3b1024 (the default tiles with the earlier 1,024-column bands)",
     )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, help="timed passes (median reported)")

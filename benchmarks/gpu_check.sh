@@ -196,7 +196,8 @@ step hosttime 45 bench_optim_host.md "SRAdamW host time per step, launches recor
   "$PY" benchmarks/bench_optim.py --host --json "$RES/bench_optim_host.json"
 step loss 62 bench_loss.md "contrastive loss, D=1024 bf16, B=32k..131k (issues 3, 7)" \
   "$PY" benchmarks/bench_loss.py --device cuda --batch 32768 65536 131072 --dim 1024 --dtype bfloat16 \
-  --impls chunked fused open_clip --repeats 5 --time-budget-s 2 ${loss_json[@]+"${loss_json[@]}"}
+  --impls chunked fused open_clip --fused-tiles 128x64x64w8s3b1024 --repeats 5 --time-budget-s 2 \
+  ${loss_json[@]+"${loss_json[@]}"}
 step train 80 bench_train.md "ViT-B-32 train step at batch 512 vs OpenCLIP (issue 8)" \
   "$PY" benchmarks/bench_train.py --device cuda --batch 512 --fit none --ckpt off --loss-modes fused \
   --steps 10 --warmup 3 --json "$RES/bench_train.json"
