@@ -1,5 +1,5 @@
 """What the benchmark scripts share: inputs, the recipe's engine, peak-memory meters, the environment
-record and the result writer. The train step itself is the recipe's own (:func:`recipe.step.train_step`).
+record and the result writer. The train step itself is the recipe's own (:func:`recipe.training.step.train_step`).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def input_checksum(inputs: dict[str, torch.Tensor], text: TextSpec) -> str:
 
 @dataclass
 class RecipeArm:
-    """An engine built the way :mod:`recipe.train` builds it, ready for :func:`recipe.step.train_step`."""
+    """An engine built the way :mod:`recipe.train` builds it, ready for :func:`recipe.training.step.train_step`."""
 
     engine: Any
     optimizer: torch.optim.Optimizer
@@ -134,9 +134,9 @@ def build_recipe_arm(
     """Initialises torch.distributed (a one-rank group without a launcher), builds the preset's
     model and the DeepSpeed engine with the recipe's optimizer (or ``optimizer(model)`` instead)."""
     from recipe.config import ModelConfig, TrainConfig
-    from recipe.engine import build_engine, init_distributed
     from recipe.model import create_model
-    from recipe.precision import resolve_precision
+    from recipe.training.engine import build_engine, init_distributed
+    from recipe.training.precision import resolve_precision
 
     init_distributed()
     prec, ds = resolve_precision(ds_config)

@@ -31,7 +31,7 @@ in a worker) under cProfile and prints where the time goes. ``--quality`` measur
 two departures from timm's path: its uint8 resize against PIL's on the same crop boxes, and draft
 decoding's PSNR against the full decode (:mod:`recipe.data.images`).
 
-``--train-step`` instead measures the recipe's train step (:func:`recipe.step.train_step`, the
+``--train-step`` instead measures the recipe's train step (:func:`recipe.training.step.train_step`, the
 engine :mod:`recipe.train` builds; ``ViT-B-32`` on CUDA, ``tiny`` on CPU) on real batches from the
 training loader next to the same step on synthetic inputs already on the device (what
 ``bench_train.py`` measures): synthetic steps first, then steps pulling batches from the loader
@@ -278,8 +278,8 @@ class ClipTokens:
 
 def vit_b_32_image_config() -> dict[str, Any]:
     """The ``ViT-B-32`` preset's timm data config, resolved as the model resolves it (no weights)."""
-    from recipe.image_tower import create_image_tower
     from recipe.model import PRESETS
+    from recipe.model.image_tower import create_image_tower
 
     img = PRESETS["ViT-B-32"]().image
     return dict(

@@ -8,7 +8,7 @@ ranks (CPU processes with gloo, or ``--device cuda``: one GPU per rank with NCCL
 the second optimizer step, when gradients, weights and optimizer state are all alive, every rank
 reads what it holds:
 
-* weights, partitions and optimizer state: :func:`recipe.memory.live_bytes_per_param` (the
+* weights, partitions and optimizer state: :func:`recipe.training.memory.live_bytes_per_param` (the
   module's parameters, or their ZeRO-3 shards; the flat partitions DeepSpeed hands the optimizer;
   the optimizer's state tensors), per group;
 * gradients: every distinct storage among the module parameters' ``.grad``, the partitions'
@@ -186,7 +186,7 @@ def measure_engine(
         bytes per model parameter on this rank; ``groups`` holds each group's partition and state
         per parameter of that group.
     """
-    from recipe.memory import live_bytes_per_param
+    from recipe.training.memory import live_bytes_per_param
 
     module, zero = engine.module, engine.optimizer
     live = live_bytes_per_param(module, optimizer, zero)
@@ -288,8 +288,8 @@ def measure_mode(
     import torch.distributed as dist
 
     from recipe.loss import ClipLoss
-    from recipe.param_groups import param_groups
-    from recipe.step import TrainState, train_step
+    from recipe.training.param_groups import param_groups
+    from recipe.training.step import TrainState, train_step
 
     mode = MODES[name]
     gc.collect()
@@ -351,7 +351,7 @@ def _rank_worker(
     preset: str = "tiny",
     device_type: str = "cpu",
 ) -> list[dict[str, Any]]:
-    from recipe.engine import init_distributed
+    from recipe.training.engine import init_distributed
 
     torch.set_num_threads(threads)
     if device_type == "cuda":

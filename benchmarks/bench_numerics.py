@@ -1,8 +1,8 @@
-"""Cost of the numerics telemetry (``--numerics-every``, :mod:`recipe.numerics`) per training step.
+"""Cost of the numerics telemetry (``--numerics-every``, :mod:`recipe.training.numerics`) per training step.
 
 One engine built as :mod:`recipe.train` builds it (the demo's ``tiny`` preset and
 ``ds_configs/zero2_bf16_halfmaster.json`` by default, batch 64 = the demo's micro-batch), stepped by
-the recipe's own :func:`recipe.step.train_step` through ``bench_train.RecipeRunner``. Blocks of
+the recipe's own :func:`recipe.training.step.train_step` through ``bench_train.RecipeRunner``. Blocks of
 ``--block`` steps alternate between telemetry on (hooks attached and armed, as the loop arms them,
 only on the steps it reads: one in ``--every``; ``end_step`` every step, ``read`` every ``--every``
 steps) and off (hooks detached), the order flipping every round,
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from recipe.numerics import NumericsMonitor
+    from recipe.training.numerics import NumericsMonitor
 
     runner = RecipeRunner(args.preset, "plain", False, args.ds_config, torch.device("cpu"), args.batch)
     inputs = make_inputs(args.batch, runner.image_size, runner.text, seed=0)

@@ -18,7 +18,7 @@ Arms (each trains on the same random pixels and tokens, generated from one seed)
 Gradient accumulation (``--accumulation 1 4``): each recipe arm also runs with the same per-rank batch
 split into k micro-batches under DeepSpeed's ``gradient_accumulation_steps`` = k, with
 ``--contrastive-batch`` ``global`` (default: one loss over all k micro-batches through the embedding
-cache of :mod:`recipe.passes`, the cost of which this measures) or ``micro``. The largest-batch
+cache of :mod:`recipe.training.passes`, the cost of which this measures) or ``micro``. The largest-batch
 search runs at accumulation 1 only.
 
 Per arm, with and without gradient checkpointing: samples/s over ``--steps`` timed steps after
@@ -46,7 +46,7 @@ Usage::
     python benchmarks/bench_train.py --device cpu --fit none --ckpt off --no-baseline --compile   # torch.compile
     python benchmarks/bench_train.py --device cpu --ckpt off --breakdown --steps 30   # per-phase times vs OpenCLIP
 
-``--compile`` compiles the recipe arms' towers (:func:`recipe.engine.compile_towers`, ZeRO 0-2 configs)
+``--compile`` compiles the recipe arms' towers (:func:`recipe.training.engine.compile_towers`, ZeRO 0-2 configs)
 after the engine is built; the compilation falls in the warm-up steps, whose time each row reports as
 ``warmup_seconds``.
 

@@ -12,7 +12,7 @@ decay ``D``:
 * ``fp64``: the exact recurrence, the reference;
 * ``fp32``: an fp32 EMA;
 * ``bf16 RTN``: a bf16 EMA computed in fp32 and rounded to nearest;
-* ``bf16 SR``: the recipe's (:func:`recipe.ema.ema_update_`): computed in fp32, stochastically rounded
+* ``bf16 SR``: the recipe's (:func:`recipe.training.ema.ema_update_`): computed in fp32, stochastically rounded
   with counter-based noise.
 
 Reported at the end, against the fp64 reference, in bf16 ulps at each weight's initial value: the
@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from optim.rounding import derive_key, random_bits, round_with_bits  # noqa: E402
-from recipe.ema import ema_update_, noise_key  # noqa: E402
+from recipe.training.ema import ema_update_, noise_key  # noqa: E402
 
 __all__ = ["ARMS", "bf16_ulp", "run", "table", "main"]
 

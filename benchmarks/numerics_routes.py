@@ -1,7 +1,7 @@
 """Loss curves of three precision routes trained side by side: the same model, seed and batches.
 
 Arms (``bench_memory.MemoryMode`` s, engines built as :mod:`recipe.train` builds them by
-``_common.build_recipe_arm`` and stepped by the recipe's own :func:`recipe.step.train_step`):
+``_common.build_recipe_arm`` and stepped by the recipe's own :func:`recipe.training.step.train_step`):
 
 * ``sr``: the recipe's default route, ``--sr-config`` (default ``ds_configs/zero0_bf16_sr.json``, what
   ``launch.sh`` takes): bf16 module, text tower with SR bf16 weights and SR bf16 Adam statistics (no
@@ -15,7 +15,7 @@ Arms (``bench_memory.MemoryMode`` s, engines built as :mod:`recipe.train` builds
 
 Every arm starts from the same initialisation (``torch.manual_seed(--seed)`` before the model is built),
 uses the recipe's hyperparameters (lr 5e-4 peak, betas (0.9, 0.98), eps 1e-6, weight decay 0.2 on
-weights only, linear warm-up then cosine, ``recipe.optimizer.lr_at``) and sees the same batches in the
+weights only, linear warm-up then cosine, ``recipe.training.optimizer.lr_at``) and sees the same batches in the
 same order: a pool of ``--pool`` synthetic batches (random pixels and token rows,
 ``_common.make_inputs``, seeded) cycled over the steps, so the loss falls as the model learns the pool's
 pairs. The arms run one after another in this process (one engine at a time); ``--time-budget-s`` is
@@ -56,7 +56,7 @@ LABELS = {
 
 def _standard_adamw(weight_decay: float, betas: tuple[float, float], eps: float, lr: float):
     def make(model: torch.nn.Module) -> torch.optim.Optimizer:
-        from recipe.param_groups import param_groups
+        from recipe.training.param_groups import param_groups
 
         groups = param_groups(model, weight_decay)
         for g in groups:
@@ -80,8 +80,8 @@ def run_arm(arm: str, args: argparse.Namespace, device: torch.device, budget_s: 
     from bench_memory import ds_config_of
     from recipe.config import TrainConfig
     from recipe.loss import ClipLoss
-    from recipe.optimizer import lr_at
-    from recipe.step import TrainState, train_step
+    from recipe.training.optimizer import lr_at
+    from recipe.training.step import TrainState, train_step
 
     t0 = time.perf_counter()
     mode = arm_mode(arm, args)

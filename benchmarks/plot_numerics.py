@@ -1,4 +1,4 @@
-"""Plots the numerics telemetry (``numerics/*``, :mod:`recipe.numerics`) of one or more runs.
+"""Plots the numerics telemetry (``numerics/*``, :mod:`recipe.training.numerics`) of one or more runs.
 
 Reads each run's ``metrics.jsonl`` (the train rows, which carry the ``numerics/*`` values when
 ``--numerics-every`` equals ``--log-every``, and the ``kind: "numerics"`` rows otherwise) and writes one
@@ -223,7 +223,7 @@ def plot(runs: list[str | Path], out: str | Path, title: str | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description="Plot the numerics/* metrics (recipe/numerics.py) of one or more runs' metrics.jsonl: "
+        description="Plot the numerics/* metrics (recipe/training/numerics.py) of one or more runs' metrics.jsonl: "
         "one row of panels per run, one panel per metric family (SR below-half-ulp share, statistics "
         "underflow/saturation, fp16 state scales, logit-scale clamp), x = step."
     )

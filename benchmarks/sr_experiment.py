@@ -9,7 +9,7 @@ same batches in the same order for a given seed, with :class:`optim.SRAdamW` con
 * ``bf16-sr``: bf16 weights written with stochastic rounding, no master copy, fp32 states.
 * ``fp16-text-sr``: the recipe's fp16 route: the whole model stored in fp16, the text tower's
   weights written with SR and its Adam states in fp16 (SR, per-tensor scaled), the image tower with
-  an fp32 master and fp32 states; dynamic loss scaling (:class:`recipe.precision.DynamicLossScaler`).
+  an fp32 master and fp32 states; dynamic loss scaling (:class:`recipe.training.precision.DynamicLossScaler`).
 * ``bf16-sr+bf16-states-rtn`` / ``bf16-sr+bf16-states-sr``: bf16 SR weights with bf16 Adam states
   written round-to-nearest vs. stochastically (``bf16-sr`` is the same with fp32 states).
 
@@ -69,10 +69,10 @@ from recipe.data import build_eval_loader, read_captions  # noqa: E402
 from recipe.evaluate import evaluate  # noqa: E402
 from recipe.loss import ClipLoss  # noqa: E402
 from recipe.model import create_model  # noqa: E402
-from recipe.param_groups import param_groups  # noqa: E402
-from recipe.precision import DynamicLossScaler  # noqa: E402
+from recipe.model.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
 from recipe.synthetic import write_dataset  # noqa: E402
-from recipe.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
+from recipe.training.param_groups import param_groups  # noqa: E402
+from recipe.training.precision import DynamicLossScaler  # noqa: E402
 from recipe.zeroshot import load_zeroshot_prompts  # noqa: E402
 
 __all__ = ["Arm", "ARMS", "ExperimentConfig", "prepare_data", "run_one", "summarize", "plot", "main"]

@@ -49,7 +49,7 @@ LOSS_MODE_NAMES = ("plain", "chunked", "fused")
 SCHEDULES = ("cosine", "constant")
 #: Values of ``--loss``.
 LOSS_NAMES = ("clip", "siglip")
-#: Values of ``--contrastive-batch`` (:data:`recipe.passes.CONTRASTIVE_BATCHES`).
+#: Values of ``--contrastive-batch`` (:data:`recipe.training.passes.CONTRASTIVE_BATCHES`).
 CONTRASTIVE_BATCH_NAMES = ("global", "micro")
 #: Values of ``--decode-device`` (:func:`recipe.data.decode.build_train_pipeline`).
 DECODE_DEVICES = ("cpu", "cuda")
@@ -85,14 +85,14 @@ def option(
 
 def preset_names() -> list[str]:
     """The model presets, from :data:`recipe.model.PRESETS`."""
-    from .model import PRESETS
+    from .model.clip import PRESETS
 
     return list(PRESETS)
 
 
 def text_tower_names() -> list[str]:
-    """The built-in text towers, from :data:`recipe.encoders.TEXT_CONFIGS`."""
-    from .encoders import TEXT_CONFIGS
+    """The built-in text towers, from :data:`recipe.model.encoders.TEXT_CONFIGS`."""
+    from .model.encoders import TEXT_CONFIGS
 
     return list(TEXT_CONFIGS)
 
@@ -106,7 +106,7 @@ def check_model_names(
     (:mod:`recipe.plan`) and the preflight (:mod:`recipe.verify`) call it. Without a preset both
     encoders are required, unless ``init_from`` (a directory the towers are read from) is given. An
     image encoder is a timm model name; a text encoder is a built-in text tower
-    (:data:`recipe.encoders.TEXT_CONFIGS`), a config JSON or a model directory.
+    (:data:`recipe.model.encoders.TEXT_CONFIGS`), a config JSON or a model directory.
     """
     if preset is None and not (image_encoder and text_encoder) and not init_from:
         raise ValueError("give a preset, or both an image encoder and a text encoder")
@@ -308,7 +308,7 @@ class TrainConfig:
     numerics_every: int | None = option(
         None,
         "numerics telemetry every N steps (SR updates below half an ulp, Adam-state underflow/saturation, fp16 "
-        "state scales, logit-scale clamp; recipe/numerics.py); unset: every --log-every steps, 0: off",
+        "state scales, logit-scale clamp; recipe/training/numerics.py); unset: every --log-every steps, 0: off",
         ge=0,
     )
     output_dir: str = option("runs/default", "run directory: config, logs, tokenizer, checkpoints")
@@ -322,7 +322,7 @@ class TrainConfig:
 
         Every numeric field is checked against its declared range (:func:`option`'s bounds: sizes
         are >= 1), the names of a preset and a built-in text tower against their registries, and the
-        DeepSpeed JSON is read and checked (:func:`recipe.precision.read_ds_config`: malformed JSON,
+        DeepSpeed JSON is read and checked (:func:`recipe.training.precision.read_ds_config`: malformed JSON,
         non-positive or inconsistent batch sizes, contradictory precision settings), all before
         anything is built.
         """
@@ -371,7 +371,7 @@ class TrainConfig:
             check_config(self.eval_benchmark, self.benchmark_root)
         if not Path(self.deepspeed_config).is_file():
             raise FileNotFoundError(f"DeepSpeed config not found: {self.deepspeed_config}")
-        from .precision import read_ds_config  # imports torch: only once the cheap checks passed
+        from .training.precision import read_ds_config  # imports torch: only once the cheap checks passed
 
         read_ds_config(self.deepspeed_config, world_size=_launcher_world_size())
 

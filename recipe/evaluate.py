@@ -61,7 +61,7 @@ import torch.distributed as dist
 from .config import DataConfig
 from .data import SKIP_REASONS, build_eval_loader, expand_paths
 from .data.paths import canonical_format, detect_format
-from .distributed import rank_world
+from .training.distributed import rank_world
 from .zeroshot import IMAGENET, ZeroShotPrompts, find_zeroshot_file, get_zeroshot_prompts
 from .zeroshot.classifier import zero_shot_classifier  # re-exported: recipe.evaluate.zero_shot_classifier
 
@@ -344,10 +344,10 @@ def _summary(metrics: dict[str, float]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Evaluates a saved checkpoint on one process, prints one JSON line of metrics and writes them
     to ``<run>/eval_<name>_step<N>.json`` (``<name>``: :func:`result_name`), replacing that file atomically."""
-    from .run import checkpoint
     from .config import config_from_dict
-    from .model import CLIPConfig, create_model
-    from .tokenizer import load_tokenizer
+    from .model.clip import CLIPConfig, create_model
+    from .model.tokenizer import load_tokenizer
+    from .run import checkpoint
 
     ap = argparse.ArgumentParser(
         prog="python -m recipe.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

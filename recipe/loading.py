@@ -29,8 +29,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .model import CLIP
-from .tokenizer import Tokenizer
+from .model.clip import CLIP
+from .model.tokenizer import Tokenizer
 
 __all__ = ["Loaded", "load"]
 
@@ -43,7 +43,7 @@ class Loaded(NamedTuple):
             ``encode_image(pixels [B, 3, H, W])`` and ``encode_text(input_ids, attention_mask)`` give
             L2-normalised ``[B, embed_dim]`` embeddings (``normalize=False`` for the projections);
             ``logit_scale.exp()`` is the trained temperature.
-        tokenizer: The run's :class:`recipe.tokenizer.Tokenizer`: ``tokenizer(texts)`` gives
+        tokenizer: The run's :class:`recipe.model.tokenizer.Tokenizer`: ``tokenizer(texts)`` gives
             ``{"input_ids", "attention_mask"}`` tensors ``[B, context_length]`` for ``model.encode_text(**...)``.
         preprocess: The run's evaluation pipeline: a PIL image (any size and mode; converted to RGB as the
             evaluation does) to a normalised ``[3, H, W]`` float tensor.

@@ -7,7 +7,7 @@ Example (2 CPU ranks; `bash launch.sh` wraps this)::
         --val-data data/synthetic/val.csv --steps 300 --output-dir runs/demo
 
 The loop reads top to bottom: set up (run directory and its lock, tokenizer, model, engine, loader,
-resume), then per optimizer step the learning rate, :func:`recipe.step.train_step` (forward,
+resume), then per optimizer step the learning rate, :func:`recipe.training.step.train_step` (forward,
 backward, step, and the skip/stop decision), logging, evaluation and checkpoints, each a named
 helper below. ``--resume latest`` continues a run from its saved ``config.json`` with only the
 flags given on the command line changed; SIGTERM saves a checkpoint at the next step boundary and
@@ -28,34 +28,34 @@ from typing import Any, Iterator
 
 import torch
 
-from .run import checkpoint
-from .run import resume as resume_settings
-from .batchnorm import average_batchnorm_stats
 from .benchmark.training import benchmark_metrics
 from .benchmark.training import check_tokenizer as check_benchmark_tokenizer
-from .run.checkpoint import CheckpointError
 from .config import TrainConfig, parse_args
 from .data import build_train_loader, read_captions
-from .distributed import barrier, broadcast_from_rank0, mean_over_ranks, rank_world
-from .ema import ModelEMA, build_ema
-from .engine import build_engine, eval_module, init_distributed
 from .evaluate import evaluate_data
-from .loss import ClipLoss
-from .memory import live_bytes_per_param
-from .run.metrics import MetricsLogger, peak_memory_bytes
-from .numerics import NumericsMonitor, build_numerics
 from .export import Imported, read_pretrained
 from .export.masters import set_live_masters
-from .model import CLIPConfig, check_tokenizer_fits, create_model
-from .optimizer import describe_groups, lr_at, warmup_note
-from .precision import ConfigError, Precision, read_ds_config, resolve_precision, slow_bf16_on_cpu
+from .loss import ClipLoss
+from .model.clip import CLIPConfig, check_tokenizer_fits, create_model
+from .model.tokenizer import load_tokenizer, train_tokenizer
+from .quiet import quiet_libraries
+from .run import checkpoint
+from .run import resume as resume_settings
 from .run import outcome
+from .run.checkpoint import CheckpointError
+from .run.metrics import MetricsLogger, peak_memory_bytes
 from .run.outcome import Outcome
 from .run.preempt import PREEMPTED_EXIT_CODE, STOP_UNSAVED_EXIT_CODE, StopNotSaved, StopRequest
-from .quiet import quiet_libraries
 from .run.rundir import ERROR_LOG, Claim, RunDirError, RunLockError, check_run_dir, claim_run_dir, prepare_run_dir
-from .step import StepResult, TrainState, train_step
-from .tokenizer import load_tokenizer, train_tokenizer
+from .training.batchnorm import average_batchnorm_stats
+from .training.distributed import barrier, broadcast_from_rank0, mean_over_ranks, rank_world
+from .training.ema import ModelEMA, build_ema
+from .training.engine import build_engine, eval_module, init_distributed
+from .training.memory import live_bytes_per_param
+from .training.numerics import NumericsMonitor, build_numerics
+from .training.optimizer import describe_groups, lr_at, warmup_note
+from .training.precision import ConfigError, Precision, read_ds_config, resolve_precision, slow_bf16_on_cpu
+from .training.step import StepResult, TrainState, train_step
 
 __all__ = ["train", "main", "FINAL_METRICS"]
 
@@ -169,7 +169,7 @@ def run_steps(cfg: TrainConfig, prec: Precision, run_dir: Path, stop: StopReques
     note = warmup_note(cfg, total)
     if note:
         log.write(note)
-    # --numerics-every: optimizer step hooks sample the update on the device (recipe/numerics.py)
+    # --numerics-every: optimizer step hooks sample the update on the device (recipe/training/numerics.py)
     numerics = build_numerics(opt, cfg.numerics_every, cfg.log_every, seed=cfg.seed)
     batches, t0, start_samples = _forever(loader), time.perf_counter(), state.samples
     result: StepResult | None = None

@@ -2,7 +2,7 @@
 
 * :mod:`.settings`: what to measure (:class:`BenchSettings`), the arms that can run, a worker's spec;
 * :mod:`.runner`: the interface of an arm (:class:`Runner`);
-* :mod:`.recipe_arm`: the recipe's arm, stepped by the recipe's own :func:`recipe.step.train_step`;
+* :mod:`.recipe_arm`: the recipe's arm, stepped by the recipe's own :func:`recipe.training.step.train_step`;
 * :mod:`.openclip_arm`: the OpenCLIP baseline (or ``torch-amp`` without ``open_clip``);
 * :mod:`.worker`: one arm measured in its own process, and the parent's side that starts it;
 * :mod:`.sweep`: every arm and setting, with the largest-batch search;

@@ -40,12 +40,12 @@ BREAKDOWN_ROWS = [
 
 
 def _clock_recipe(runner: RecipeRunner) -> PhaseClock:
-    import recipe.passes
-    import recipe.step
+    import recipe.training.passes
+    import recipe.training.step
 
     clock, engine = PhaseClock(runner.device), runner.arm.engine
     zero = engine.optimizer
-    clock.wrap(recipe.passes, "_inputs", "data")
+    clock.wrap(recipe.training.passes, "_inputs", "data")
     clock.wrap(engine, "forward", "forward")
     clock.wrap(runner, "loss_fn", "loss")
     clock.wrap(engine, "backward", "backward_all")
@@ -61,11 +61,11 @@ def _clock_recipe(runner: RecipeRunner) -> PhaseClock:
         ):
             clock.wrap(zero, attr, phase)
     else:  # the recipe-managed routes (bf16 ZeRO-0, fp16): engine.step calls the client optimizer's step
-        # at class level: recipe.step.step_kwargs binds ``type(opt).step`` for every step
+        # at class level: recipe.training.step.step_kwargs binds ``type(opt).step`` for every step
         clock.wrap(type(zero), "step", "optimizer")
     # the recipe's own all-reduce and clipping norm (recipe-managed routes; train_step calls them by name)
-    clock.wrap(recipe.step, "allreduce_gradients", "recipe_reduce")
-    clock.wrap(recipe.step, "grad_multiplier", "recipe_norm")
+    clock.wrap(recipe.training.step, "allreduce_gradients", "recipe_reduce")
+    clock.wrap(recipe.training.step, "grad_multiplier", "recipe_norm")
     stage12 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2")
     clock.wrap(stage12, "all_gather_dp_groups", "ds_allgather")
     return clock
@@ -107,7 +107,7 @@ def _exclusive_phases(t: dict[str, float], recipe_arm: bool) -> dict[str, float]
 
 
 def run_breakdown(s: BenchSettings, rounds: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Per-phase median times of one step, the recipe (its own :func:`recipe.step.train_step`) and
+    """Per-phase median times of one step, the recipe (its own :func:`recipe.training.step.train_step`) and
     the baseline alternating step by step in this one process (same load for both)."""
     s = resolve_settings(s)
     for key in ("DS_ACCELERATOR", "TOKENIZERS_PARALLELISM"):  # what the workers get (before DeepSpeed loads)

@@ -1,5 +1,5 @@
 """The recipe's arm: the engine :mod:`recipe.train` builds, stepped by the recipe's own
-:func:`recipe.step.train_step` (never re-implemented here)."""
+:func:`recipe.training.step.train_step` (never re-implemented here)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ __all__ = ["RecipeRunner"]
 
 class RecipeRunner(Runner):
     """The recipe: the engine :mod:`recipe.train` builds (DeepSpeed, SRAdamW over the CLIP paper's
-    groups) stepped by the recipe's own :func:`recipe.step.train_step`."""
+    groups) stepped by the recipe's own :func:`recipe.training.step.train_step`."""
 
     def __init__(
         self,
@@ -30,8 +30,8 @@ class RecipeRunner(Runner):
         compile: bool = False,
     ) -> None:
         from recipe.loss import ClipLoss
-        from recipe.precision import read_ds_config
-        from recipe.step import TrainState
+        from recipe.training.precision import read_ds_config
+        from recipe.training.step import TrainState
 
         ds = read_ds_config(ds_config)  # a bad JSON is named, as in training
         if batch % accumulation:
@@ -51,7 +51,7 @@ class RecipeRunner(Runner):
         if accumulation > 1:
             self.description += f", {accumulation} micro-batches per step, contrastive batch {contrastive_batch}"
         if compile:  # after deepspeed.initialize: fine under ZeRO 0-2 (compile_towers refuses ZeRO-3 here)
-            from recipe.engine import compile_towers
+            from recipe.training.engine import compile_towers
 
             compile_towers(self.arm.model, self.arm.engine.zero_optimization_stage())
             self.description += ", towers compiled (torch.compile)"
@@ -61,7 +61,7 @@ class RecipeRunner(Runner):
         self.params = sum(p.numel() for p in model.parameters())
 
     def step(self, inputs: dict[str, torch.Tensor]) -> float:
-        from recipe.step import train_step
+        from recipe.training.step import train_step
 
         a, k = self.arm, self.accumulation
         micro = next(iter(inputs.values())).shape[0] // k

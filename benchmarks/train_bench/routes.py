@@ -75,19 +75,19 @@ def _clock(runner: RecipeRunner) -> PhaseClock:
     import deepspeed.comm
     import torch.distributed
 
-    import recipe.passes
-    import recipe.step
+    import recipe.training.passes
+    import recipe.training.step
     from optim import SRAdamW
 
     clock, engine = PhaseClock(runner.device), runner.arm.engine
-    clock.wrap(recipe.passes, "_inputs", "data")
+    clock.wrap(recipe.training.passes, "_inputs", "data")
     clock.wrap(engine, "forward", "forward")
     clock.wrap(runner, "loss_fn", "loss")
     clock.wrap(engine, "backward", "backward")
     clock.wrap(engine, "allreduce_gradients", "reduce")  # DeepSpeed's, at the end of backward
-    clock.wrap(recipe.step, "allreduce_gradients", "reduce")  # the recipe-managed routes'
-    clock.wrap(recipe.step, "grad_multiplier", "norm")
-    clock.wrap(recipe.step, "read_outcome", "outcome")
+    clock.wrap(recipe.training.step, "allreduce_gradients", "reduce")  # the recipe-managed routes'
+    clock.wrap(recipe.training.step, "grad_multiplier", "norm")
+    clock.wrap(recipe.training.step, "read_outcome", "outcome")
     clock.wrap(engine, "step", "ds_step")
     clock.wrap(SRAdamW, "step", "optimizer")  # the class: the train step binds type(opt).step per step
     zero = engine.optimizer

@@ -28,7 +28,7 @@ class BenchSettings:
     loss_modes: list[str] = field(default_factory=lambda: ["plain", "fused"])
     accumulation: list[int] = field(default_factory=lambda: [1])  # recipe arms: micro-batches per step
     contrastive_batch: str = "global"
-    compile: bool = False  # recipe arms: torch.compile of the towers (recipe.engine.compile_towers)
+    compile: bool = False  # recipe arms: torch.compile of the towers (recipe.training.engine.compile_towers)
     baseline: bool = True
     fit: str = "all"  # all | off (checkpointing off only) | none
     max_batch: int | None = None  # 65536 on CUDA, 4 x batch on CPU
@@ -110,7 +110,7 @@ def _baseline_grad_clip(s: BenchSettings) -> float:
     config's ``gradient_clipping``, so that both arms do the same work (OpenCLIP's ``--grad-clip-norm``)."""
     if s.baseline_grad_clip is not None:
         return float(s.baseline_grad_clip)
-    from recipe.precision import read_ds_config
+    from recipe.training.precision import read_ds_config
 
     return float(read_ds_config(s.ds_config).get("gradient_clipping", 0.0) or 0.0)
 

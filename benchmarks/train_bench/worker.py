@@ -69,7 +69,7 @@ def _is_oom(err: BaseException) -> bool:
 
 def _preload(arm: str) -> None:
     """Imports what the arm needs, so that the memory baseline already holds the libraries' code."""
-    import recipe.model  # noqa: F401
+    import recipe.model.clip  # noqa: F401
 
     if arm.startswith("recipe-"):
         import deepspeed  # noqa: F401

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..distributed import rank_world
+from ..training.distributed import rank_world
 from .adapter import image_transform
 from .datasets import build, resolve_all
 from .evaluation import BenchmarkResult, evaluate_dataset
@@ -63,7 +63,7 @@ def evaluate_benchmarks(model: torch.nn.Module, tokenizer: Any, names: Any, root
 def run(args: Any) -> dict[str, Any]:
     """The ``--benchmark`` path of ``python -m recipe.evaluate`` (``args``: its parsed arguments)."""
     from ..export.run import find_checkpoint, load_run, parse_dtype
-    from ..tokenizer import load_tokenizer
+    from ..model.tokenizer import load_tokenizer
     from .training import check_tokenizer
 
     # names, files and the tokenizer's context checked before the model is read

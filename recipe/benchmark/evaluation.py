@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..distributed import rank_world
+from ..training.distributed import rank_world
 from .adapter import BenchmarkModel, BenchmarkTokenizer, check_prompts
 from .compat import accuracy
 from .datasets import CLASSIFICATION, BenchmarkSpec, make_loader, share

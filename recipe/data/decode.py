@@ -5,8 +5,8 @@ names why it cannot be used (one of :data:`SKIP_REASONS`); :func:`collate` stack
 into a batch and tokenises the captions. Labelled evaluation data without captions
 (``with_captions=False``) makes batches of images and labels only.
 
-Images go through an image pipeline (:class:`ImagePipeline`): ``decode(bytes)`` per sample, in the
-worker, and ``collate(pixels)`` per batch. :class:`PILPipeline` applies a transform such as timm's
+Images go through an image pipeline (:class:`recipe.data.images.ImagePipeline`): ``decode(bytes)`` per
+sample, in the worker, and ``collate(pixels)`` per batch. :class:`PILPipeline` applies a transform such as timm's
 (:func:`build_transform`) to the fully decoded PIL image (evaluation; training where the fast path
 cannot reproduce the transform); :func:`build_train_pipeline` picks the training loader's:
 :class:`recipe.data.images.TrainImagePipeline` (crop box first, uint8 pixels, draft decoding of
@@ -26,7 +26,9 @@ from PIL import Image
 
 from recipe.config import DECODE_DEVICES, DataConfig
 
+from .device_decode import DeviceTrainPipeline, check_device_decoding
 from .formats import RawSample, clean_label, read_image_bytes
+from .images import CropSpec, ImagePipeline, TrainImagePipeline, stack_pixels
 
 #: Reasons a sample is skipped, in the order they are checked.
 SKIP_REASONS = (
@@ -69,27 +71,6 @@ def build_transform(image_data_config: Mapping[str, Any], train: bool, cfg: Data
     return create_transform(**kwargs, is_training=train)
 
 
-class ImagePipeline:
-    """How a sample's image becomes batch entries: :meth:`decode` runs per sample (in a DataLoader
-    worker, right after the producer seeded the augmentation) and raises on a corrupt image;
-    :meth:`collate` turns the decoded values of a batch into its image entries (``pixel_values``).
-    A pipeline with a ``finish(batch) -> (batch, stats)`` method completes each batch in the
-    training process (:class:`recipe.data.loader.ClipLoader` calls it)."""
-
-    def decode(self, data: bytes) -> Any:
-        raise NotImplementedError
-
-    def collate(self, pixels: Sequence[Any]) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-def stack_pixels(pixels: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack`` into a :func:`recipe.data.images.batch_buffer` (shared memory in a worker)."""
-    from .images import batch_buffer
-
-    return torch.stack(list(pixels), out=batch_buffer((len(pixels), *pixels[0].shape), pixels[0].dtype))
-
-
 class PILPipeline(ImagePipeline):
     """``transform`` (e.g. timm's, :func:`build_transform`) of the fully decoded RGB PIL image; the
     batch is the stack of its outputs."""
@@ -129,8 +110,6 @@ def build_train_pipeline(image_data_config: Mapping[str, Any], cfg: DataConfig |
             transform it cannot reproduce, or ``decode_device="cuda"`` without a CUDA device or
             without torchvision's JPEG decoder.
     """
-    from .images import CropSpec, TrainImagePipeline
-
     cfg = cfg or DataConfig()
     device = cfg.decode_device
     if device not in DECODE_DEVICES:
@@ -144,8 +123,6 @@ def build_train_pipeline(image_data_config: Mapping[str, Any], cfg: DataConfig |
         if spec is None:
             raise ValueError("--decode-device cuda does random resized crops, flips and normalisation only; it cannot "
                              "apply --color-jitter or a random/other interpolation: use --decode-device cpu")
-        from .device_decode import DeviceTrainPipeline, check_device_decoding
-
         check_device_decoding(device)
         return DeviceTrainPipeline(spec, device)
     if spec is None:

@@ -34,8 +34,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .decode import ImagePipeline
-from .images import CropBox, CropSpec, Normalizer, batch_buffer, decode_crop, open_image, sample_crop, uint8_hwc
+from .images import (
+    CropBox, CropSpec, ImagePipeline, Normalizer, batch_buffer, decode_crop, open_image, sample_crop, uint8_hwc,
+)
 
 #: JPEG end-of-image marker; a file without one near its end is treated as possibly truncated.
 _EOI = b"\xff\xd9"

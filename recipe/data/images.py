@@ -59,8 +59,6 @@ import torch
 from PIL import Image
 from torch.utils.data import get_worker_info
 
-from .decode import ImagePipeline
-
 #: The resampling difference to timm's PIL path that the tests allow (see the module docstring):
 #: the largest difference in levels of 255, and the least share of values that are identical or
 #: one level apart.
@@ -75,6 +73,22 @@ _INTERPOLATIONS = {"bicubic": "BICUBIC", "bilinear": "BILINEAR"}
 
 # ``torch.frombuffer`` over PIL's bytes is read only; the pipeline never writes into it.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+class ImagePipeline:
+    """How a sample's image becomes batch entries: :meth:`decode` runs per sample (in a DataLoader
+    worker, right after the producer seeded the augmentation) and raises on a corrupt image;
+    :meth:`collate` turns the decoded values of a batch into its image entries (``pixel_values``).
+    A pipeline with a ``finish(batch) -> (batch, stats)`` method completes each batch in the
+    training process (:class:`recipe.data.loader.ClipLoader` calls it). The pipelines:
+    :class:`TrainImagePipeline` (here), :class:`recipe.data.decode.PILPipeline` (timm's transform) and
+    :class:`recipe.data.device_decode.DeviceTrainPipeline` (the GPU path)."""
+
+    def decode(self, data: bytes) -> Any:
+        raise NotImplementedError
+
+    def collate(self, pixels: Sequence[Any]) -> dict[str, Any]:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -233,6 +247,11 @@ def batch_buffer(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> to
     return torch.empty(tuple(shape), dtype=dtype)
 
 
+def stack_pixels(pixels: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack`` into a :func:`batch_buffer` (shared memory in a worker)."""
+    return torch.stack(list(pixels), out=batch_buffer((len(pixels), *pixels[0].shape), pixels[0].dtype))
+
+
 class Normalizer:
     """``(x / 255 - mean) / std`` of uint8 pixels, with exactly the float32 operations of
     ``ToTensor`` (``x.float().div(255)``) and ``Normalize`` (``sub_(mean).div_(std)``): bit for bit
@@ -354,6 +373,7 @@ __all__ = [
     "RESIZE_BOUND",
     "CropBox",
     "CropSpec",
+    "ImagePipeline",
     "Normalizer",
     "TrainImagePipeline",
     "batch_buffer",
@@ -366,5 +386,6 @@ __all__ = [
     "resize_agreement",
     "resize_crop",
     "sample_crop",
+    "stack_pixels",
     "uint8_hwc",
 ]

@@ -351,7 +351,7 @@ class ClipLoader:
         keys = [*SKIP_REASONS, REPEATED]
         if not (dist.is_available() and dist.is_initialized()):
             return {k: int(self.stats.get(k, 0)) for k in keys}
-        from recipe.distributed import collective_device
+        from recipe.training.distributed import collective_device
 
         t = torch.tensor([self.stats.get(k, 0) for k in keys], dtype=torch.int64, device=collective_device())
         dist.all_reduce(t)

@@ -17,7 +17,8 @@ no master (``--weights`` must then be ``module``, its default with ``--ema``). A
 
 One file per job: :mod:`.run` (a run's model from its checkpoint), :mod:`.masters` (the fp32 masters
 out of the optimizer state), :mod:`.atomic` (an output directory appears whole or not at all),
-:mod:`.open_clip` (+ :mod:`.open_clip_read`) and :mod:`.hf` (the two formats, both directions).
+:mod:`.open_clip` (+ :mod:`.open_clip_read`) and :mod:`.hf` (the two formats, both directions), :mod:`.formats`
+(what they share with this package: :class:`UnsupportedExport`, :class:`Imported`).
 
 Every export holds ``recipe_export.json`` (:data:`MARKER`); ``--overwrite`` replaces only such a
 directory, and never one that is, contains or lies inside the source run (:func:`check_output`).
@@ -27,16 +28,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ..model import CLIPConfig
-from ..tokenizer import Tokenizer
 from .atomic import MARKER, check_output, write_directory
+from .formats import Imported, UnsupportedExport
 from .masters import read_masters
 from .run import DTYPES, WEIGHTS, LoadedRun, find_checkpoint, load_run, parse_dtype
 
@@ -57,27 +56,6 @@ __all__ = [
     "write_directory",
     "check_output",
 ]
-
-
-class UnsupportedExport(ValueError):
-    """The model cannot be represented exactly in the requested format; the message says what is missing."""
-
-
-@dataclass
-class Imported:
-    """A pretrained model read into the recipe's terms (what ``--init-from`` starts from).
-
-    Attributes:
-        config: The recipe's model config (the architecture).
-        state_dict: Weights under the recipe model's parameter names (fp32).
-        tokenizer: The tokenizer that goes with the weights.
-        source: ``open_clip``, ``hf`` or ``recipe``, and the directory, for messages.
-    """
-
-    config: CLIPConfig
-    state_dict: dict[str, torch.Tensor]
-    tokenizer: Tokenizer
-    source: str
 
 
 def _writers() -> dict[str, Callable[..., None]]:

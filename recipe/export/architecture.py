@@ -8,8 +8,8 @@ import json
 import os
 from pathlib import Path
 
-from ..model import CLIP, CLIPConfig, create_model
-from ..tokenizer import Tokenizer, load_tokenizer
+from ..model.clip import CLIP, CLIPConfig, create_model
+from ..model.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["build_architecture"]
 

@@ -62,10 +62,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model import CLIP, CLIPConfig, ImageTowerConfig, TextTowerConfig, create_model
-from ..tokenizer import Tokenizer, load_tokenizer
-from . import Imported, UnsupportedExport
+from ..model.clip import CLIP, CLIPConfig, ImageTowerConfig, TextTowerConfig, create_model
+from ..model.tokenizer import Tokenizer, load_tokenizer
 from .atomic import MARKER
+from .formats import Imported, UnsupportedExport
 from .run import LoadedRun
 
 logger = logging.getLogger(__name__)

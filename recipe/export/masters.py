@@ -1,7 +1,7 @@
 """The exact fp32 weights a checkpoint's optimizer keeps: :func:`read_masters`.
 
 ``model_weights.pt`` holds the module's weights in the training dtype. SRAdamW keeps, for its
-mastered groups (the image tower and the logit scale by default, :mod:`recipe.param_groups`), a
+mastered groups (the image tower and the logit scale by default, :mod:`recipe.training.param_groups`), a
 float32 master of which the module weight is only the rounding: either a float32 ``master`` state
 (the fp16 route, ``master_format="fp32"``) or the split form, where the bf16 weight is the master's
 high half and an int16 ``master_low`` state its low 16 bits (:func:`optim.master16.join_master`).
@@ -22,7 +22,7 @@ stage and the world size the checkpoint was saved with:
   appends each group's sub-groups to it in sub-group order, and sub-groups are made group by group).
 * **ZeRO-0** (the fp16 and bf16 recipe-managed routes): SRAdamW's full state dict is in
   ``mp_rank_00_model_states.pt`` (key ``optimizer``) next to the module; its parameter indices follow
-  SRAdamW's group order, which :func:`recipe.param_groups.param_groups` makes from the model. The groups
+  SRAdamW's group order, which :func:`recipe.training.param_groups.param_groups` makes from the model. The groups
   are rebuilt from the run's model (``model_config.json``) and ``config.json`` (``--lock-image``,
   ``--lock-text``, ``--layer-decay``: what decides which parameters a group holds) and matched by group
   name; every parameter's state must have the parameter's shape.
@@ -57,9 +57,9 @@ import torch
 
 from optim.master16 import join_master, split_master
 
-from ..run.files import COMPLETE, CheckpointError, read_file
 from ..run.elastic import base_states, cut_pieces, join_pieces, saved_world_size, zero_files
-from ..param_groups import param_groups, tower_of
+from ..run.files import COMPLETE, CheckpointError, read_file
+from ..training.param_groups import param_groups, tower_of
 
 __all__ = ["read_masters", "has_optimizer_state", "set_live_masters", "LiveMasters", "MODEL_STATES",
            "ZERO3_MODEL_STATES"]
@@ -333,7 +333,7 @@ def _zero0(tag_dir: Path, model: torch.nn.Module | None) -> dict[str, torch.Tens
 
 
 def _rebuilt_groups(model: torch.nn.Module, run_dir: Path, saved_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """SRAdamW's groups as training built them (:func:`recipe.optimizer.build_optimizer`): their names
+    """SRAdamW's groups as training built them (:func:`recipe.training.optimizer.build_optimizer`): their names
     and parameter lists, which depend on the model and, of the run's settings, on the towers it locked
     and on ``--layer-decay`` (the split of the image tower by layer; any decay gives the same split)."""
     path = run_dir / "config.json"

@@ -73,11 +73,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import encoders
-from ..encoders import ImageTower, create_image_tower, default_pooling, resolve_text_config
-from ..model import CLIP, CLIPConfig, ImageTowerConfig, TextTowerConfig
-from ..tokenizer import Tokenizer
-from . import LoadedRun, UnsupportedExport
+from ..model import encoders
+from ..model.clip import CLIP, CLIPConfig, ImageTowerConfig, TextTowerConfig
+from ..model.encoders import ImageTower, create_image_tower, default_pooling, resolve_text_config
+from ..model.tokenizer import Tokenizer
+from .formats import UnsupportedExport
+from .run import LoadedRun
 
 __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "HF_TEXT_DIR", "Plan", "check", "write", "relocate"]
 

@@ -12,12 +12,14 @@ from typing import Any
 
 import torch
 
-from .. import encoders
-from ..encoders import TEXT_CONFIGS
-from ..image_tower import INTERPOLATIONS
-from ..model import CLIP, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, CLIPConfig, ImageTowerConfig, TextTowerConfig, create_model
-from ..tokenizer import Tokenizer, load_tokenizer
-from . import Imported, UnsupportedExport
+from ..model import encoders
+from ..model.clip import (
+    CLIP, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, CLIPConfig, ImageTowerConfig, TextTowerConfig, create_model,
+)
+from ..model.encoders import TEXT_CONFIGS
+from ..model.image_tower import INTERPOLATIONS
+from ..model.tokenizer import Tokenizer, load_tokenizer
+from .formats import Imported, UnsupportedExport
 from .open_clip import (
     _HF_POOLERS, _NOT_IN_RECIPE, _TIMM_ACTS, _WEIGHT_NAMES, CONFIG_FILE, HF_TEXT_TYPES, Plan, _from_open_clip,
     _model_cfg, _table, check,

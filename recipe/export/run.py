@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from ..model import CLIP, CLIPConfig
+from ..model.clip import CLIP, CLIPConfig
+from ..model.tokenizer import Tokenizer
 from ..run import checkpoint
-from ..tokenizer import Tokenizer
 from .architecture import build_architecture
 from .masters import has_optimizer_state, read_masters
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recipe.encoders import ImageTower, TextTower, create_image_tower, create_text_tower
+from recipe.model.encoders import ImageTower, TextTower, create_image_tower, create_text_tower
 
 __all__ = [
     "ImageTowerConfig",
@@ -49,7 +49,7 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 @dataclass
 class ImageTowerConfig:
-    """Image tower settings (see :func:`recipe.encoders.create_image_tower`).
+    """Image tower settings (see :func:`recipe.model.encoders.create_image_tower`).
 
     Attributes:
         name: timm model name.
@@ -79,7 +79,7 @@ class ImageTowerConfig:
 
 @dataclass
 class TextTowerConfig:
-    """Text tower settings (see :func:`recipe.encoders.create_text_tower`).
+    """Text tower settings (see :func:`recipe.model.encoders.create_text_tower`).
 
     Attributes:
         name: Built-in config name, config JSON path or local model directory.
@@ -286,7 +286,7 @@ class CLIP(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """Returns ``(image_features, text_features, logit_scale.exp())``, and ``logit_bias`` after them when
         the model has one (SigLIP): the loss takes them in this order. (The optimizer clamps ``logit_scale``
-        to ``[0, log(max_logit_scale)]``: :func:`recipe.optimizer.build_optimizer`.)"""
+        to ``[0, log(max_logit_scale)]``: :func:`recipe.training.optimizer.build_optimizer`.)"""
         out = self.encode_image(pixels), self.encode_text(input_ids, attention_mask), self.logit_scale.exp()
         # the bias as a computed tensor, not the leaf parameter: DeepSpeed hooks the forward's outputs
         return out if self.logit_bias is None else (*out, self.logit_bias.clone())
@@ -484,13 +484,13 @@ def create_model(
         embed_dim: Shared embedding width.
         image_weights: Local state-dict file for the image tower.
         image_size: Input resolution of the image tower and its data config (replaces a preset's
-            ``img_size``; see :func:`recipe.encoders.create_image_tower`).
+            ``img_size``; see :func:`recipe.model.encoders.create_image_tower`).
         image_kwargs: Extra ``timm.create_model`` keyword arguments (merged into the preset's).
         text_pooling: ``eos``, ``cls``, ``mean`` or ``last``.
         text_overrides: transformers config attributes (merged into the preset's).
         context_length: Text context length.
         text_load_weights: Whether to load weights from a text directory that has them.
-        tokenizer: A :class:`recipe.tokenizer.Tokenizer`: its vocabulary size and special-token ids
+        tokenizer: A :class:`recipe.model.tokenizer.Tokenizer`: its vocabulary size and special-token ids
             are written into the text config (unless the tower loads pretrained weights, in which case
             they are checked against it) and its context length is used when none is given.
         init_logit_scale: Initial ``logit_scale`` (log space).
@@ -560,7 +560,7 @@ def create_model(
 
 
 def _text_tower_has_weights(text: TextTowerConfig) -> bool:
-    from recipe.encoders import resolve_text_config
+    from recipe.model.encoders import resolve_text_config
 
     return text.load_weights and resolve_text_config(text.name)[1] is not None
 

@@ -4,7 +4,7 @@ Small factory functions keyed by name:
 
 * :func:`create_image_tower` builds any timm model by name (``pretrained=False``, or weights from a
   local state-dict file) with its classifier removed, so it returns pooled features (defined in
-  :mod:`recipe.image_tower`, with :class:`ImageTower`).
+  :mod:`recipe.model.image_tower`, with :class:`ImageTower`).
 * :func:`create_text_tower` builds any transformers model from a built-in config name
   (:data:`TEXT_CONFIGS`), a config JSON file, a local directory (``from_pretrained`` when weights
   are there, ``from_config`` otherwise) or ``transformers:<model_type>`` (that type's default config;

@@ -7,7 +7,7 @@ config its images follow (input size, normalisation, crop fraction, interpolatio
 mode (``frozen_norms``, set by :meth:`recipe.model.CLIP.lock_image_tower`).
 
 Nothing here touches the network: timm is always called with ``pretrained=False`` unless a local
-weights file is given. Both names are importable from :mod:`recipe.encoders` too, next to the text
+weights file is given. Both names are importable from :mod:`recipe.model.encoders` too, next to the text
 towers.
 """
 

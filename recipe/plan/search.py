@@ -1,6 +1,6 @@
 """Memory per GPU of one configuration (:func:`predict_memory`) and the search for a plan (:func:`plan`).
 
-Peak bytes on the fullest GPU, in the order a step allocates them (``recipe/passes.py``):
+Peak bytes on the fullest GPU, in the order a step allocates them (``recipe/training/passes.py``):
 
 * model states (:mod:`recipe.plan.states`): weights, partitions, gradients, optimizer state and
   ZeRO-3's reduce bucket, as the census reads them after backward;
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from recipe.config import check_model_names
-from recipe.engine import engine_config
-from recipe.precision import read_ds_config, resolve_precision
+from recipe.training.engine import engine_config
+from recipe.training.precision import read_ds_config, resolve_precision
 
 from .activations import ActivationBytes, measure_activations, measure_loss
 from .states import ModelLayout, ModelSpec, build_meta_model, model_layout, state_bytes
@@ -282,7 +282,7 @@ def predict_memory(
     path, cfg = _read_config(ds_config)
     prec, _ = resolve_precision(cfg)
     layout = _layout(spec)
-    # the settings the engine is built with at this world size (recipe.engine.engine_config: e.g. no
+    # the settings the engine is built with at this world size (recipe.training.engine.engine_config: e.g. no
     # contiguous gradient buckets at one rank), as the census measures them
     sb = state_bytes(layout, prec, engine_config(cfg, world, None), world)
     n = layout.params

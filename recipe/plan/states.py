@@ -6,8 +6,8 @@ module's weights, the flat partitions DeepSpeed hands the client optimizer, the 
 holds, SRAdamW's state and ZeRO's reduce buckets. This module predicts each of those from the
 model's parameter layout (a ``meta``-device model: no memory, no time) without running DeepSpeed:
 
-* the parameter groups are the recipe's own (:func:`recipe.param_groups.param_groups`, in the order
-  DeepSpeed flattens them), with the state dtypes :func:`recipe.optimizer.build_optimizer` gives;
+* the parameter groups are the recipe's own (:func:`recipe.training.param_groups.param_groups`, in the order
+  DeepSpeed flattens them), with the state dtypes :func:`recipe.training.optimizer.build_optimizer` gives;
 * the optimizer state is whatever ``SRAdamW._init_state`` creates on a ``meta`` partition of the
   route's dtype, so a change to the optimizer's state (e.g. how a master is stored) changes the
   prediction with it instead of silently contradicting a constant written here;
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from recipe.precision import Precision
+from recipe.training.precision import Precision
 
 if TYPE_CHECKING:
     from .vocab import TokenizerShape
@@ -88,7 +88,7 @@ class ModelLayout:
 def build_meta_model(spec: ModelSpec) -> torch.nn.Module:
     """The model on the ``meta`` device (shapes only), built by :func:`recipe.model.create_model` from
     the same arguments ``recipe.train`` passes (the tokenizer's shape standing in for the tokenizer)."""
-    from recipe.model import create_model
+    from recipe.model.clip import create_model
 
     tokenizer, context_length = spec.tokenizer, spec.context_length
     if tokenizer is not None and _pretrained_text(spec):
@@ -112,8 +112,8 @@ def build_meta_model(spec: ModelSpec) -> torch.nn.Module:
 
 def _pretrained_text(spec: ModelSpec) -> bool:
     """Whether ``recipe.train`` would load ``spec``'s text tower with weights (a local model directory)."""
-    from recipe.encoders import resolve_text_config
-    from recipe.model import PRESETS
+    from recipe.model.clip import PRESETS
+    from recipe.model.encoders import resolve_text_config
 
     name = spec.text_encoder or (PRESETS[spec.preset]().text.name if spec.preset in PRESETS else None)
     return name is not None and resolve_text_config(name)[1] is not None
@@ -121,7 +121,7 @@ def _pretrained_text(spec: ModelSpec) -> bool:
 
 def model_layout(spec: ModelSpec, model: torch.nn.Module | None = None) -> ModelLayout:
     """The recipe's optimizer groups of ``spec``'s model with their parameter sizes, in order."""
-    from recipe.param_groups import param_groups
+    from recipe.training.param_groups import param_groups
 
     model = model if model is not None else build_meta_model(spec)
     groups = []
@@ -130,7 +130,7 @@ def model_layout(spec: ModelSpec, model: torch.nn.Module | None = None) -> Model
     ):
         tower = g["name"].split(".")[0]
         mastered = bool(g["master_weights"])
-        # recipe.optimizer.build_optimizer: mastered groups and the logit scale keep fp32 states
+        # recipe.training.optimizer.build_optimizer: mastered groups and the logit scale keep fp32 states
         dtype = torch.float32 if (mastered or tower in ("logit_scale", "logit_bias")) else None
         groups.append(GroupLayout(g["name"], tuple(int(p.numel()) for p in g["params"]), mastered, dtype))
     return ModelLayout(spec, tuple(groups), sum(sum(g.numels) for g in groups))

@@ -6,8 +6,8 @@ byte-level BPE it trains on the training captions with *at most* ``--vocab-size`
 small corpus far fewer (the demo's captions: 364 tokens of 2,048, which makes the tiny preset 247,233
 parameters rather than the 486,081 of its text tower's own 4,096-token vocabulary). The planner makes
 that tokenizer as :func:`recipe.train.get_tokenizer` does, from the same functions
-(:func:`recipe.data.read_captions`, :func:`recipe.tokenizer.train_tokenizer`,
-:func:`recipe.tokenizer.load_tokenizer`; ``tests/recipe/test_plan.py`` checks the parameter count
+(:func:`recipe.data.read_captions`, :func:`recipe.model.tokenizer.train_tokenizer`,
+:func:`recipe.model.tokenizer.load_tokenizer`; ``tests/recipe/test_plan.py`` checks the parameter count
 against the model ``recipe.train`` builds), wherever it can see the data; without data the vocabulary
 is ``--vocab-size``, an upper bound, and the plan says so.
 """
@@ -42,7 +42,8 @@ class TokenizerShape:
 
     @classmethod
     def of(cls, tokenizer: Any, source: str, vocab_size: int | None = None) -> TokenizerShape:
-        """The shape of a :class:`recipe.tokenizer.Tokenizer`; ``vocab_size`` given: an upper bound of that size."""
+        """The shape of a :class:`recipe.model.tokenizer.Tokenizer`; ``vocab_size`` given: an upper bound of that
+        size."""
         return cls(
             vocab_size=int(vocab_size or tokenizer.vocab_size), context_length=int(tokenizer.context_length),
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -50,7 +51,7 @@ class TokenizerShape:
         )
 
     def text_config_overrides(self) -> dict[str, int]:
-        """As :meth:`recipe.tokenizer.Tokenizer.text_config_overrides`."""
+        """As :meth:`recipe.model.tokenizer.Tokenizer.text_config_overrides`."""
         return {"vocab_size": self.vocab_size, "bos_token_id": self.bos_token_id,
                 "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id}
 
@@ -67,7 +68,7 @@ def _data_config(train_data: str | None, **given: Any) -> Any:
 def _upper_bound(data: Any, hint: str) -> TokenizerShape:
     """The tokenizer ``recipe.train`` would train, with ``--vocab-size`` tokens (its ids and context
     length from a tokenizer trained the same way on one caption); ``hint`` says how to count it."""
-    from recipe.tokenizer import train_tokenizer
+    from recipe.model.tokenizer import train_tokenizer
 
     tok = train_tokenizer(["a"], data.vocab_size, context_length=data.context_length or TRAINED_CONTEXT_LENGTH)
     return TokenizerShape.of(tok, hint, vocab_size=data.vocab_size)
@@ -92,7 +93,7 @@ def run_tokenizer(
         ValueError: Data or a tokenizer directory that cannot be read (missing, bad format or column).
     """
     from recipe.data import read_captions
-    from recipe.tokenizer import load_tokenizer, train_tokenizer
+    from recipe.model.tokenizer import load_tokenizer, train_tokenizer
 
     data = _data_config(train_data, tokenizer=tokenizer, vocab_size=vocab_size, context_length=context_length,
                         data_format=data_format, caption_column=caption_column)

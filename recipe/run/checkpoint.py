@@ -7,7 +7,7 @@ Layout of ``<run>/checkpoints``::
                              with its seed and per-tensor steps)
         rank00000.pt         this rank's client state: step, data position, RNG states
         model_weights.pt     the full module state dict (for ``python -m recipe.evaluate``)
-        ema_weights.pt       with ``--ema-decay``: the EMA's full state dict, same names (:mod:`recipe.ema`)
+        ema_weights.pt       with ``--ema-decay``: the EMA's full state dict, same names (:mod:`recipe.training.ema`)
         COMPLETE             written last, after every rank has finished (atomic rename)
     step00000100.r1/         a later save of the same step (e.g. after resuming from an older one)
     latest                   the tag of the newest complete checkpoint (atomic rename)
@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..batchnorm import average_batchnorm_stats
-from ..distributed import barrier, broadcast_from_rank0, collective_device, max_over_ranks_, rank_world
+from ..training.batchnorm import average_batchnorm_stats
+from ..training.distributed import barrier, broadcast_from_rank0, collective_device, max_over_ranks_, rank_world
 from .elastic import client_state_resharded, load_resharded
 from .files import COMPLETE, CheckpointError, load_engine_state, read_file
 
@@ -142,7 +142,7 @@ def save(
 
     Every rank must call it. ``client_state`` holds what differs between ranks (data position, RNG
     state) and is written to the tag's ``rankNNNNN.pt``; the shared state goes through DeepSpeed.
-    ``ema`` (a :class:`recipe.ema.ModelEMA`) adds its full state dict as :data:`EMA_WEIGHTS`.
+    ``ema`` (a :class:`recipe.training.ema.ModelEMA`) adds its full state dict as :data:`EMA_WEIGHTS`.
     Existing checkpoints are never modified (see the module docstring).
 
     Returns:
@@ -166,7 +166,7 @@ def save(
     tag = broadcast_from_rank0(tag)
     tag_dir = ckpt_dir / tag
     keep = f"; the previous checkpoint ({_latest_name(ckpt_dir)}) is intact"
-    # every rank's BatchNorm statistics averaged: the checkpoint holds rank 0's (recipe.batchnorm)
+    # every rank's BatchNorm statistics averaged: the checkpoint holds rank 0's (recipe.training.batchnorm)
     average_batchnorm_stats(engine.module, ema)
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)

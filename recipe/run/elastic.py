@@ -25,7 +25,7 @@ What changes with the world size, and how it is carried over (:func:`load_reshar
   module state of saved rank 0 (buffers; ZeRO-3 parameters are empty there) and the engine's step
   counters are loaded as DeepSpeed loads them.
 * **Optimizer state, ZeRO-0** (the fp16 route): every rank holds the full module and SRAdamW updates
-  the module's own tensors, drawing the noise of rank 0 on every rank (``recipe/optimizer.py``), so the
+  the module's own tensors, drawing the noise of rank 0 on every rank (``recipe/training/optimizer.py``), so the
   replicas are identical. DeepSpeed writes the client optimizer's full state once, into rank 0's
   model-states file (``mp_rank_00_model_states.pt``, key ``optimizer``), and its ``load_checkpoint``
   reads that file on every rank whatever the data-parallel world size; it is loaded as on a same-world
@@ -66,8 +66,8 @@ from typing import Any
 
 import torch
 
+from ..training.distributed import rank_world
 from .files import COMPLETE, CheckpointError, load_engine_state, read_file
-from ..distributed import rank_world
 
 __all__ = ["base_states", "cut_pieces", "full_flat_state", "join_pieces", "load_resharded", "local_flat_state", "saved_world_size",
            "zero_files"]

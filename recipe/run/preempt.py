@@ -3,7 +3,7 @@
 SIGTERM is what SLURM, Kubernetes, ``timeout`` and most schedulers send before they kill a job, and
 SIGUSR1 what SLURM sends ahead of the time limit with ``--signal=USR1@SECONDS``: every rank notes
 either, the ranks agree on it within the next optimizer step (the flag rides on the step's one
-all-reduce, :func:`recipe.step.train_step`), save a checkpoint at that step boundary and exit with
+all-reduce, :func:`recipe.training.step.train_step`), save a checkpoint at that step boundary and exit with
 code 143 (:data:`PREEMPTED_EXIT_CODE`); ``--resume latest`` continues from there. A stop whose
 checkpoint could not be saved exits with :data:`STOP_UNSAVED_EXIT_CODE` instead, naming the step
 that was lost. SIGINT (Ctrl-C) stops at once with ``KeyboardInterrupt`` on every rank (the run

@@ -9,7 +9,7 @@ parameter (:func:`load_by_name`):
 * **ZeRO-0** (the recipe-managed bf16 and fp16 routes; SRAdamW updates the module's own tensors): the
   saved state dict (``mp_rank_00_model_states.pt``, key ``optimizer``) lists each group's parameters by
   position; the checkpoint's groups are rebuilt from the model with the checkpoint's settings
-  (:func:`recipe.param_groups.param_groups` with its ``--layer-decay`` and lock flags) and must hold as
+  (:func:`recipe.training.param_groups.param_groups` with its ``--layer-decay`` and lock flags) and must hold as
   many parameters as the saved groups, each state of its parameter's shape. Every parameter that is
   still trained keeps its whole state (statistics, master, its own step count) bit for bit; a
   parameter locked now loses it; one trainable now and frozen then starts fresh at its first step.
@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from .files import CheckpointError, read_file
+from ..training.param_groups import group_layout, locked_parameters, param_groups
 from .elastic import base_states, zero_files
-from ..param_groups import group_layout, locked_parameters, param_groups
+from .files import CheckpointError, read_file
 
 __all__ = ["RegroupError", "Regrouped", "load_by_name", "named_state"]
 

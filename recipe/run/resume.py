@@ -7,7 +7,7 @@ line, ``--image-lr changed 0.002 -> 0.001 on resume: applied``:
 
 * **Learning rates and the optimizer's hyperparameters** (``--lr``, ``--image-lr``, ``--text-lr``,
   ``--layer-decay``, ``--weight-decay``, ``--beta1``, ``--beta2``, ``--eps``): applied. The optimizer
-  groups' ``lr_scale``, weight decay, betas and eps are this run's (:mod:`recipe.param_groups`), not
+  groups' ``lr_scale``, weight decay, betas and eps are this run's (:mod:`recipe.training.param_groups`), not
   the ones the checkpoint's optimizer state carries; the Adam statistics are kept.
 * **Group structure** (``--layer-decay`` turned on or off, ``--lock-image``,
   ``--lock-image-unlocked-groups``, ``--lock-text``): applied under ZeRO 0-2. The groups are this
@@ -37,9 +37,9 @@ from typing import Any, Callable
 
 import torch
 
+from ..training.distributed import broadcast_from_rank0, rank_world
 from . import checkpoint
 from .files import CheckpointError, read_file
-from ..distributed import broadcast_from_rank0, rank_world
 
 __all__ = ["SETTINGS", "Setting", "Change", "record", "previous_config", "saved_settings", "changes", "load"]
 

@@ -18,7 +18,7 @@ SyncBatchNorm, timm's ``BatchNormAct2d``, an InstanceNorm that tracks them), exc
 (``ImageTower.frozen_norms``, set by ``--lock-image``: kept in evaluation mode, never updated, the same
 on every rank; left untouched). ``num_batches_tracked`` is left as it is: every rank runs the same
 number of training forwards, so it is already the same on every rank. With ``--ema-decay`` the EMA's
-copies of these buffers (taken from the model at every update, :mod:`recipe.ema`) are refreshed from
+copies of these buffers (taken from the model at every update, :mod:`recipe.training.ema`) are refreshed from
 the averaged ones, so the EMA evaluation and ``ema_weights.pt`` hold the mean too.
 
 Cost: one all-reduce of all the statistics together (flattened into one fp64 vector whatever their
@@ -45,7 +45,7 @@ _STATS = ("running_mean", "running_var")
 
 def _locked_norms(module: nn.Module) -> set[int]:
     """Ids of the BatchNorm layers a locked tower keeps in evaluation mode (``frozen_norms`` of every
-    :class:`recipe.image_tower.ImageTower` in ``module``)."""
+    :class:`recipe.model.image_tower.ImageTower` in ``module``)."""
     locked: set[int] = set()
     for m in module.modules():
         names = getattr(m, "frozen_norms", None)
@@ -79,7 +79,7 @@ def average_batchnorm_stats(module: nn.Module, ema: Any | None = None, group: An
 
     Args:
         module: The model (under DeepSpeed ``engine.module``).
-        ema: A :class:`recipe.ema.ModelEMA` of ``module``: its copies of the averaged buffers are
+        ema: A :class:`recipe.training.ema.ModelEMA` of ``module``: its copies of the averaged buffers are
             set to the mean as well.
         group: The process group (``None``: the default one).
 

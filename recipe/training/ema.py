@@ -1,7 +1,7 @@
 """Exponential moving average of the weights (``--ema-decay D``), stored in the weights' own dtype.
 
 After every optimizer step that was not skipped (a non-finite or fp16-overflow step, see
-:class:`recipe.step.StepResult`, leaves the EMA untouched)::
+:class:`recipe.training.step.StepResult`, leaves the EMA untouched)::
 
     ema <- d * ema + (1 - d) * w,    d = D, or with --ema-warmup d = min(D, (1 + t) / (10 + t))
 
@@ -39,7 +39,7 @@ weight: 2 for bf16/fp16, 4 for fp32):
 * ZeRO 3: each rank keeps the EMA of its own partition of every parameter (``param.ds_tensor``):
   ``b * P / W`` bytes per rank, updated without communication. A checkpoint gathers it parameter
   by parameter to rank 0; an evaluation gathers it to every rank into a full model copy for the
-  duration of the evaluation, as :func:`recipe.engine.eval_module` does for the live weights.
+  duration of the evaluation, as :func:`recipe.training.engine.eval_module` does for the live weights.
 
 The update's temporaries are fp32 copies of one parameter (or partition) at a time.
 
@@ -279,7 +279,7 @@ class ModelEMA:
         Returns:
             Whether the checkpoint had an EMA.
         """
-        from .run.checkpoint import EMA_WEIGHTS, CheckpointError
+        from ..run.checkpoint import EMA_WEIGHTS, CheckpointError
 
         path = Path(tag_dir) / EMA_WEIGHTS
         if client is None or not path.is_file():
@@ -323,13 +323,13 @@ class ModelEMA:
             with self.swapped_in() as m:
                 yield m
             return
-        from .model import create_model
+        from ..model.clip import create_model
 
         state = self.full_state_dict(dst=None)
         held = self.entries[0].held()
         dtype = state["logit_scale"].dtype if "logit_scale" in state else held.dtype
         copy = create_model(config=self.module.config, tokenizer=tokenizer, text_load_weights=False)
-        copy = copy.to(device=held.device, dtype=dtype)  # as recipe.engine.eval_module
+        copy = copy.to(device=held.device, dtype=dtype)  # as recipe.training.engine.eval_module
         copy.load_state_dict(state)
         del state
         yield copy

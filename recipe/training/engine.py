@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .config import TrainConfig
+from ..config import TrainConfig
 from .optimizer import build_optimizer
 from .precision import Precision
 
@@ -82,9 +82,9 @@ def build_engine(
 ) -> tuple[Any, torch.optim.Optimizer, dict[str, int]]:
     """The DeepSpeed engine around ``model`` with SRAdamW as its client optimizer.
 
-    ``ds_config`` is the config :func:`recipe.precision.resolve_precision` returned with ``prec``.
+    ``ds_config`` is the config :func:`recipe.training.precision.resolve_precision` returned with ``prec``.
     On the recipe-managed routes (fp16, bf16 at ZeRO-0) the model is cast here and the recipe all-reduces gradients itself
-    (see :mod:`recipe.precision`). ``optimizer`` replaces SRAdamW (the benchmarks' comparison arms);
+    (see :mod:`recipe.training.precision`). ``optimizer`` replaces SRAdamW (the benchmarks' comparison arms);
     its groups need a ``name``. ``cfg.model.compile`` compiles the towers first (:func:`compile_towers`).
 
     Returns:
@@ -93,7 +93,7 @@ def build_engine(
     """
     import deepspeed
 
-    if prec.recipe_managed:  # the fp16 / bf16 ZeRO-0 routes (recipe.precision)
+    if prec.recipe_managed:  # the fp16 / bf16 ZeRO-0 routes (recipe.training.precision)
         model.to(prec.param_dtype)
     if cfg.model.compile:  # before deepspeed.initialize: ZeRO-3 registers its hooks there
         compile_towers(model, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)))
@@ -102,7 +102,7 @@ def build_engine(
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=engine_config(ds_config, world, opt))
     if prec.recipe_managed:
-        engine.enable_backward_allreduce = False  # done by allreduce_gradients (see recipe.precision)
+        engine.enable_backward_allreduce = False  # done by allreduce_gradients (see recipe.training.precision)
     return engine, opt, group_params
 
 
@@ -111,7 +111,7 @@ def engine_config(ds_config: dict[str, Any], world_size: int, optimizer: torch.o
     from the world size and the optimizer, in this one place (the JSON keeps precision, batch and stage):
 
     * ``bf16.check_grad_overflow`` off when the optimizer is SRAdamW with its gradient check: the train
-      step (:mod:`recipe.step`) owns "finite or not, skip or stop", with SRAdamW's device-side check of
+      step (:mod:`recipe.training.step`) owns "finite or not, skip or stop", with SRAdamW's device-side check of
       the very gradients it applies; DeepSpeed's ZeRO-1/2 check was a second owner, with its own pass
       over every gradient, an all-reduce and a host read per step. A non-finite gradient still skips
       the step: DeepSpeed's clipping scales the gradients by 0 for a non-finite norm, which leaves
@@ -248,7 +248,7 @@ def eval_module(engine: Any, tokenizer: Any) -> torch.nn.Module:
         return model
     import deepspeed
 
-    from .model import create_model
+    from ..model.clip import create_model
 
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -118,7 +118,7 @@ class NumericsMonitor:
 
     Args:
         optimizer: The SRAdamW instance (under DeepSpeed the client optimizer: ``engine.optimizer``'s
-            inner one, as :func:`recipe.engine.build_engine` returns it); its ``param_groups`` at
+            inner one, as :func:`recipe.training.engine.build_engine` returns it); its ``param_groups`` at
             construction define the groups reported (groups added later are ignored).
         every: Steps between reads (the training loop's schedule; 0 = off, stored for the caller).
         sample_per_tensor: Elements sampled per tensor (ZeRO: per flat partition of this rank).

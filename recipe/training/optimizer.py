@@ -2,7 +2,7 @@
 schedule (linear warmup, then cosine decay or constant).
 
 Per-tower rates and layer-wise decay (``--image-lr``, ``--text-lr``, ``--layer-decay``) are each group's
-``lr_scale`` (:mod:`recipe.param_groups`): the training loop sets ``lr = lr_at(step) * lr_scale``, so
+``lr_scale`` (:mod:`recipe.training.param_groups`): the training loop sets ``lr = lr_at(step) * lr_scale``, so
 every group follows the one schedule, scaled (warmup, cosine and its floor ``--min-lr`` alike).
 :func:`describe_groups` names the groups and their scales for the run's log.
 """
@@ -15,7 +15,7 @@ import torch
 
 from optim import SRAdamW
 
-from .config import TrainConfig
+from ..config import TrainConfig
 from .param_groups import param_groups
 from .precision import Precision
 
@@ -24,14 +24,14 @@ __all__ = ["build_optimizer", "lr_at", "tower_lr_scales", "describe_groups", "wa
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, prec: Precision) -> SRAdamW:
     """SRAdamW over the CLIP paper's parameter groups, each with its ``lr_scale`` (``--image-lr`` and
-    ``--text-lr`` over ``--lr``, ``--layer-decay``; see :mod:`recipe.param_groups`), which the training
+    ``--text-lr`` over ``--lr``, ``--layer-decay``; see :mod:`recipe.training.param_groups`), which the training
     loop multiplies the schedule by. Frozen parameters (``--lock-image``, ``--lock-text``) are in no group.
 
     The logit scale is clamped inside the optimizer (under ZeRO the optimizer owns the parameter's
     partition, so clamping the module would be lost). The optimizer keeps its gradient check: it is
     the one place that sees every route's gradients (ZeRO-3 partitions included, which DeepSpeed
     does not check in bf16); it folds the train step's ``found_inf`` into that check on the device,
-    and the train step reads the outcome (:func:`recipe.step.train_step`).
+    and the train step reads the outcome (:func:`recipe.training.step.train_step`).
     """
     m = cfg.model
     image_scale, text_scale = tower_lr_scales(cfg)
@@ -84,7 +84,7 @@ def describe_groups(optimizer: torch.optim.Optimizer, counts: dict[str, int] | N
     """One line naming each optimizer group with its parameter count, lr scale and weight decay, e.g.
     ``optimizer groups (...): image.layer0.decay 1,234 x0.25 wd 0.2, ...``.
 
-    ``counts`` (group name -> model parameters, as :func:`recipe.engine.build_engine` returns them) replaces
+    ``counts`` (group name -> model parameters, as :func:`recipe.training.engine.build_engine` returns them) replaces
     counting the groups' tensors, which ZeRO has replaced by flat partitions (ZeRO-3 empties them).
     """
     parts = []

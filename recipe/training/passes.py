@@ -42,8 +42,8 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from .config import CONTRASTIVE_BATCH_NAMES
-from .loss import ClipLoss, SigLipLoss
+from ..config import CONTRASTIVE_BATCH_NAMES
+from ..loss import ClipLoss, SigLipLoss
 from .precision import Precision
 
 __all__ = ["CONTRASTIVE_BATCHES", "Passes", "run_passes", "micro_passes", "global_passes", "batchnorm_stats_frozen"]

@@ -1,7 +1,7 @@
 """One optimizer step of the recipe, and the one owner of "finite or not, skip or stop".
 
 :func:`train_step` runs the forward and backward passes of one optimizer step's micro-batches
-through the DeepSpeed engine (:mod:`recipe.passes`: one contrastive loss over the global batch, or one
+through the DeepSpeed engine (:mod:`recipe.training.passes`: one contrastive loss over the global batch, or one
 per micro-batch), the precision route's unscale and clip (fp16), the optimizer step, and
 then decides: a step whose loss or gradients are not finite is skipped and counted, on the fp16 route
 an overflow shrinks the loss scale, and too many non-finite steps in a row stop the run. The
@@ -12,7 +12,7 @@ and, on the fp16 route, the gradient multiplier are device tensors handed to SRA
 its own gradient check on the device); one per optimizer step afterwards, where the outcome is read
 (:func:`read_outcome`), because skipping changes host state (counters, the loss scale of the next
 step, the stop decision). DeepSpeed's ZeRO step synchronises on its own (the clipping norm; its bf16
-overflow check, a second owner of the finite check, is off: :func:`recipe.engine.engine_config`).
+overflow check, a second owner of the finite check, is off: :func:`recipe.training.engine.engine_config`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from optim import SRAdamW
 
 from .distributed import max_over_ranks_, rank_world
-from .loss import ClipLoss, SigLipLoss
+from ..loss import ClipLoss, SigLipLoss
 from .passes import run_passes
 from .precision import Precision, allreduce_gradients
 
@@ -55,7 +55,7 @@ class StepResult:
         skipped: The optimizer step was skipped (non-finite loss or gradients, or fp16 overflow).
         loss_nonfinite: The loss of some micro-batch was not finite on some rank.
         samples: Pairs this step trained on, all ranks.
-        contrastive_batch: Pairs each loss of the step contrasted (:class:`recipe.passes.Passes`).
+        contrastive_batch: Pairs each loss of the step contrasted (:class:`recipe.training.passes.Passes`).
         stop: Some rank asked to stop (``stop_requested``, e.g. on SIGTERM): every rank sees the same
             value, so all of them stop at this step boundary.
         grad_norm: The unscaled global gradient norm the recipe clipped by (device scalar) on the
@@ -143,7 +143,7 @@ def train_step(
     """One optimizer step over ``batches`` (the step's micro-batches, ``gradient_accumulation_steps``
     of them), then the skip/stop decision recorded in ``state`` (:func:`record_skip`).
 
-    ``contrastive_batch`` (``global`` or ``micro``) picks the passes (:mod:`recipe.passes`): one loss
+    ``contrastive_batch`` (``global`` or ``micro``) picks the passes (:mod:`recipe.training.passes`): one loss
     over all micro-batches of all ranks, or one loss per micro-batch.
 
     Every rank's batches must hold the same number of pairs (the recipe's loaders guarantee it), so

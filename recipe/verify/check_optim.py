@@ -9,7 +9,7 @@ loss scale applied inside the update); weights and every state tensor must have 
 draws its own rounding noise).
 
 Routes, from the DeepSpeed JSON's precision and the master-weight flags (as
-:func:`recipe.optimizer.build_optimizer` builds the groups): the text group (SR weights and SR states
+:func:`recipe.training.optimizer.build_optimizer` builds the groups): the text group (SR weights and SR states
 unless ``--text-master-weights``), the image group (a master unless ``--no-image-master-weights``:
 split in the int16 low half for bf16, fp32 for fp16) and the logit scale (one element, fp32 states,
 clamped to [0, log 100]). The tensors are what ZeRO hands the optimizer: partitions in the route's
@@ -118,7 +118,7 @@ def _run_route(route: Route, run: Run, seed: int) -> tuple[int, int, str]:
     loss_scale = 2.0**16 if run.precision.mode == "fp16" else 1.0
     for step in range(STEPS):
         grad = _grad(init.shape, step, seed, loss_scale).to(dev, route.dtype)
-        step_kw: dict[str, Any] = {"found_inf": torch.zeros(1, device=dev)}  # as recipe.step passes it
+        step_kw: dict[str, Any] = {"found_inf": torch.zeros(1, device=dev)}  # as recipe.training.step passes it
         if loss_scale != 1.0:  # the fp16 route: inverse scale x clipping factor, applied in the update
             step_kw["inv_grad_scale"] = torch.tensor(0.75 / loss_scale, device=dev)
         for p, opt in zip(params, (ref, dut)):

@@ -145,7 +145,7 @@ def resolve(cfg: VerifyConfig) -> dict[str, Any]:
     """
     from recipe.plan import ModelSpec
     from recipe.plan.states import build_meta_model
-    from recipe.precision import read_ds_config, resolve_precision
+    from recipe.training.precision import read_ds_config, resolve_precision
 
     world = _env_int("WORLD_SIZE", default=1)
     if cfg.world_size is not None and cfg.world_size != world:
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     rank = _env_int("RANK", default=0)
     from recipe.plan import PlanError
-    from recipe.precision import ConfigError
+    from recipe.training.precision import ConfigError
 
     try:
         cfg = VerifyConfig(**vars(build_parser().parse_args(argv)))
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from recipe.engine import init_distributed
+    from recipe.training.engine import init_distributed
 
     from .common import local_world
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from recipe.plan import ModelSpec
-from recipe.precision import Precision
+from recipe.training.precision import Precision
 
 __all__ = ["CHECKS", "STATUSES", "Row", "Run", "dtype_name", "local_world", "max_over_ranks", "per_rank", "ranks_with",
            "sum_over_ranks", "sync", "worst"]

@@ -20,7 +20,7 @@ How the work is split:
   collective in every forward, so every rank must call it equally often: there ranks with fewer
   chunks than the largest block run one-prompt dummy forwards (results dropped) until they have run
   as many (``lockstep``). The recipe's own evaluation never hands in such a module: under ZeRO-3
-  it evaluates a gathered full copy (:func:`recipe.engine.eval_module`, ``ModelEMA.eval_module``),
+  it evaluates a gathered full copy (:func:`recipe.training.engine.eval_module`, ``ModelEMA.eval_module``),
   whose forward is local; the padding covers a partitioned module passed in directly.
 
 Tokenised prompts are cached in this process, per tokenizer (held weakly: the cache goes with it) and
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from recipe.distributed import rank_world
+from recipe.training.distributed import rank_world
 
 from . import ZeroShotPrompts
 

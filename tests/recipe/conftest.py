@@ -1,4 +1,4 @@
-"""Fixtures shared by the training tests (tests/recipe/test_train.py, test_accumulation.py)."""
+"""Fixtures shared by the training tests (tests/recipe/test_train.py, training/test_accumulation.py)."""
 
 from __future__ import annotations
 

@@ -14,10 +14,10 @@ import torch
 import typing
 
 from recipe.config import TrainConfig, _flag, _leaves, _sections, _unwrap, build_parser, config_from_dict, parse_args, UsageError
-from recipe.encoders import TEXT_CONFIGS
 from recipe.model import PRESETS
-from recipe.precision import ConfigError, DynamicLossScaler, read_ds_config, resolve_precision
-from recipe.optimizer import lr_at, warmup_note
+from recipe.model.encoders import TEXT_CONFIGS
+from recipe.training.optimizer import lr_at, warmup_note
+from recipe.training.precision import ConfigError, DynamicLossScaler, read_ds_config, resolve_precision
 
 ROOT = Path(__file__).resolve().parents[2]
 DS = str(ROOT / "ds_configs" / "zero2_bf16_halfmaster.json")
@@ -349,7 +349,7 @@ def test_dynamic_loss_scaler_follows_deepspeed_semantics() -> None:
 
 
 def test_skipped_steps_are_classified_and_the_guard_stops() -> None:
-    from recipe.step import TrainState, record_skip
+    from recipe.training.step import TrainState, record_skip
 
     p16, _ = resolve_precision(load("zero0_fp16_sr_lossscale.json"))
     state = TrainState()

@@ -24,13 +24,13 @@ import torch.nn.functional as F
 from PIL import Image
 from timm.data import create_transform
 
-from recipe.run import checkpoint
 from recipe.config import TrainConfig
 from recipe.data import DataConfig, build_eval_loader
 from recipe.evaluate import main as evaluate_main
 from recipe.model import CLIPConfig, create_model
+from recipe.model.tokenizer import load_tokenizer, train_tokenizer
+from recipe.run import checkpoint
 from recipe.synthetic import write_dataset
-from recipe.tokenizer import load_tokenizer, train_tokenizer
 from recipe.zeroshot import (
     IMAGENET_CLASSNAMES,
     IMAGENET_WNIDS,

@@ -19,8 +19,8 @@ from recipe.plan.cli import main
 from recipe.plan.search import format_bytes
 from recipe.plan.states import build_meta_model
 from recipe.plan.vocab import run_tokenizer
-from recipe.precision import read_ds_config
 from recipe.synthetic import write_dataset
+from recipe.training.precision import read_ds_config
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -87,7 +87,7 @@ def test_model_states_world1_sum_to_census_kinds() -> None:
     assert p.bytes_per_param["grads"] == 2.0
     fp32 = predict_memory("tiny", "zero2_fp32.json", world=1, micro_batch=2)
     assert fp32.bytes_per_param["optimizer_state"] == pytest.approx(8.0, abs=1e-4)  # fp32 Adam, no master
-    # the engine's one-rank settings (recipe.engine.engine_config): no contiguous-gradient reduce
+    # the engine's one-rank settings (recipe.training.engine.engine_config): no contiguous-gradient reduce
     # buckets at one rank (the census finds none), DeepSpeed's default ones at two
     assert p.buffer_bytes == 0
     two = predict_memory("tiny", "zero2_bf16_halfmaster.json", world=2, micro_batch=2)

@@ -164,19 +164,19 @@ def test_nonfinite_guard_skips_counts_and_stops(data: Path, tmp_path: Path) -> N
 
 
 # --------------------------------------------------------------------------------------------------
-# one rank: the engine settings chosen from the world size (recipe.engine.engine_config)
+# one rank: the engine settings chosen from the world size (recipe.training.engine.engine_config)
 # --------------------------------------------------------------------------------------------------
 
 
 def _one_rank_engines_worker(rank: int, world: int, name: str) -> dict:
     import torch
 
-    import recipe.engine as E
+    import recipe.training.engine as E
     from recipe.config import ModelConfig, TrainConfig
     from recipe.loss import ClipLoss
     from recipe.model import create_model
-    from recipe.precision import resolve_precision
-    from recipe.step import TrainState, train_step
+    from recipe.training.precision import resolve_precision
+    from recipe.training.step import TrainState, train_step
 
     E.init_distributed()
     cfg = json.loads((ROOT / "ds_configs" / name).read_text())

@@ -143,7 +143,7 @@ class CountingTokenizer:
 def tiny(tmp_path_factory) -> str:
     """A directory with a small tokenizer and the weights of a ``tiny`` model with a one-layer text tower."""
     from recipe.model import create_model
-    from recipe.tokenizer import train_tokenizer
+    from recipe.model.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("tiny")
     tok = train_tokenizer(iter([t.replace("{}", c) for c in NAMES for t in OPENAI_IMAGENET_TEMPLATES]), 300,
@@ -156,7 +156,7 @@ def tiny(tmp_path_factory) -> str:
 
 def _load_tiny(root: str):
     from recipe.model import create_model
-    from recipe.tokenizer import load_tokenizer
+    from recipe.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(Path(root) / "tokenizer")
     model = create_model("tiny", tokenizer=tok, text_overrides=SMALL_TEXT, text_load_weights=False)

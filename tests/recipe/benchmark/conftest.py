@@ -14,11 +14,11 @@ import torch
 
 pytest.importorskip("clip_benchmark")
 
-from recipe.run import checkpoint  # noqa: E402
 from recipe import synthetic as syn  # noqa: E402
 from recipe.config import TrainConfig  # noqa: E402
 from recipe.model import create_model  # noqa: E402
-from recipe.tokenizer import train_tokenizer  # noqa: E402
+from recipe.model.tokenizer import train_tokenizer  # noqa: E402
+from recipe.run import checkpoint  # noqa: E402
 
 N_IMAGES = 36
 STEP = 5

@@ -14,9 +14,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from recipe.run import checkpoint
 from recipe.model import CLIP, create_model
-from recipe.tokenizer import Tokenizer, train_tokenizer
+from recipe.model.tokenizer import Tokenizer, train_tokenizer
+from recipe.run import checkpoint
 
 CAPTIONS = [f"a {c} {s} on a {b} background" for c in ("red", "green", "blue", "black") for s in
             ("circle", "square", "triangle") for b in ("white", "grey", "dark")]

@@ -111,7 +111,7 @@ def test_tiny_clip_pair_exports_exactly(make_run: Any, tmp_path: Path, variant: 
 
 
 def model_tokenizer(run_dir: Path) -> Any:
-    from recipe.tokenizer import load_tokenizer
+    from recipe.model.tokenizer import load_tokenizer
 
     return load_tokenizer(run_dir / "tokenizer")
 
@@ -195,7 +195,7 @@ def test_tokenizer_without_post_processor_gets_a_template(tmp_path: Path) -> Non
     a post-processor that does, so transformers' tokenizer gives the recipe's ids."""
     from tokenizers import Tokenizer as Backend
 
-    from recipe.tokenizer import Tokenizer, train_tokenizer
+    from recipe.model.tokenizer import Tokenizer, train_tokenizer
 
     trained = train_tokenizer(CAPTIONS * 4, vocab_size=300, context_length=24)
     data = json.loads(trained.backend.to_str())

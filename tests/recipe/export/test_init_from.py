@@ -200,7 +200,7 @@ def test_export_init_from_export_keeps_the_fp32_masters_bit_for_bit(bf16_chain: 
     From there (SR weights now bf16 values) the round trip is bit for bit in every tensor, and says nothing."""
     from safetensors.torch import load_file
 
-    from recipe.param_groups import tower_of
+    from recipe.training.param_groups import tower_of
 
     a, b, c = (load_file(d / "open_clip_model.safetensors") for d in bf16_chain["exports"])
     assert a.keys() == b.keys() == c.keys()
@@ -227,7 +227,7 @@ def test_evaluate_weights_master_is_the_exports_module_the_bf16_weights(bf16_cha
 
     import recipe.evaluate as E
     from recipe.model import create_model
-    from recipe.tokenizer import load_tokenizer
+    from recipe.model.tokenizer import load_tokenizer
 
     seen: list[torch.Tensor] = []
     embed_split = E.embed_split

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from optim.master16 import split_master
-from recipe.run import checkpoint
 from recipe.export import export_run, load_run, read_masters, read_pretrained
 from recipe.export.__main__ import main as export_main
-from recipe.param_groups import tower_of
+from recipe.run import checkpoint
+from recipe.training.param_groups import tower_of
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ def test_masters_are_the_live_optimizers_bit_for_bit(deepspeed_runs: dict[str, A
     run, live = deepspeed_runs[name]["run"], deepspeed_runs[name]["masters"]
     tag = _tag(run)
     module = torch.load(tag / checkpoint.MODEL_WEIGHTS, weights_only=True)
-    # the mastered groups: the image tower and the logit scale (recipe.param_groups defaults)
+    # the mastered groups: the image tower and the logit scale (recipe.training.param_groups defaults)
     params = [n for n, _ in load_run(run).model.named_parameters()]
     assert sorted(live) == sorted(n for n in params if tower_of(n) != "text")
     masters = read_masters(tag)

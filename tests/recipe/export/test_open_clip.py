@@ -313,7 +313,7 @@ def test_tokenizer_without_bos_eos_post_processor(tokenizer, tmp_path, post_proc
     that does, so open_clip's HFTokenizer gives the same ids (truncated rows included)."""
     from tokenizers import processors
 
-    from recipe.tokenizer import Tokenizer
+    from recipe.model.tokenizer import Tokenizer
 
     backend = tokenizer.backend.__class__.from_str(tokenizer.backend.to_str())
     backend.post_processor = None if post_processor == "none" else processors.ByteLevel(trim_offsets=False)

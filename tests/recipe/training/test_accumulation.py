@@ -16,8 +16,8 @@ import torch
 
 from recipe.run import checkpoint
 
-from ..dist_utils import run_distributed
-from .test_train import ENV, _train_worker, ds_json, train_cfg
+from ...dist_utils import run_distributed
+from ..test_train import ENV, _train_worker, ds_json, train_cfg
 
 M, K, STEPS = 4, 4, 4
 
@@ -60,7 +60,7 @@ def _assert_same_training(a: Path, b: Path, loss_rtol: float, weight_atol: float
     assert sorted(ra) == sorted(rb) == list(range(1, STEPS + 1))
     for s in ra:
         assert rb[s]["loss"] == pytest.approx(ra[s]["loss"], rel=loss_rtol, abs=0), (s, ra[s]["loss"], rb[s]["loss"])
-        # DeepSpeed's norm, or the recipe's on the ZeRO-0 routes (recipe.step.grad_multiplier)
+        # DeepSpeed's norm, or the recipe's on the ZeRO-0 routes (recipe.training.step.grad_multiplier)
         assert rb[s]["grad_norm"] == pytest.approx(ra[s]["grad_norm"], rel=max(loss_rtol, 1e-4)), s
     wa, wb = _weights(a), _weights(b)
     assert wa.keys() == wb.keys()

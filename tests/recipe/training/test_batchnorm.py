@@ -1,6 +1,6 @@
-"""BatchNorm running statistics are the same on every rank where it matters (:mod:`recipe.batchnorm`).
+"""BatchNorm running statistics are the same on every rank where it matters (:mod:`recipe.training.batchnorm`).
 
-On two gloo ranks: :func:`recipe.batchnorm.average_batchnorm_stats` turns different per-rank
+On two gloo ranks: :func:`recipe.training.batchnorm.average_batchnorm_stats` turns different per-rank
 statistics into their exact mean (an fp64 reference, for fp32, bf16 and fp64 buffers in one
 collective), leaves a locked tower's BatchNorm and ``num_batches_tracked`` alone, refreshes the EMA's
 copies, and makes no collective at all for a model without BatchNorm (the default ViT) or with only
@@ -19,13 +19,13 @@ import pytest
 import torch
 from torch import nn
 
-from recipe.batchnorm import average_batchnorm_stats, batchnorm_stats
 from recipe.model import create_model
 from recipe.synthetic import write_dataset
+from recipe.training.batchnorm import average_batchnorm_stats, batchnorm_stats
 
-from ..dist_utils import run_distributed
+from ...dist_utils import run_distributed
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ENV = {"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
 STATS = ("running_mean", "running_var")
 
@@ -51,7 +51,7 @@ def _bn_model() -> nn.Module:
 
 
 def _stats_of(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every running statistic and counter, by name (independently of recipe.batchnorm)."""
+    """Every running statistic and counter, by name (independently of recipe.training.batchnorm)."""
     return {n: b.clone() for n, b in module.named_buffers() if n.rsplit(".", 1)[-1] in (*STATS, "num_batches_tracked")}
 
 
@@ -70,7 +70,7 @@ def _set_rank_stats(module: nn.Module, rank: int) -> None:
 def _function_worker(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from recipe.ema import ModelEMA
+    from recipe.training.ema import ModelEMA
 
     calls = []
     all_reduce = dist.all_reduce

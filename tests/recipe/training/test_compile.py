@@ -1,4 +1,4 @@
-"""``--compile`` (:func:`recipe.engine.compile_towers`): the towers run compiled in training under
+"""``--compile`` (:func:`recipe.training.engine.compile_towers`): the towers run compiled in training under
 DeepSpeed on 2 CPU ranks, with the losses of the eager run (bf16 rounding apart), no recompilation
 after the first step, and checkpoints that evaluation, export and resuming read as before."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from ..dist_utils import run_distributed
-from .test_train import ENV, ds_json, losses_of, train_cfg
+from ...dist_utils import run_distributed
+from ..test_train import ENV, ds_json, losses_of, train_cfg
 
 #: Compiled vs eager losses on the bf16 route, where the rounding differs (fused kernels, another order
 #: of accumulation): at step 1 (the same weights) measured 2-3e-4 relative, allowed 2e-3 (half a bf16
@@ -71,7 +71,7 @@ def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 @pytest.mark.slow  # 50-85 s: two ranks compile the towers on 2 cores
 def test_compiled_training_matches_eager_and_checkpoints_stay_plain(data: Path, tmp_path: Path) -> None:
     # ZeRO-2, bf16, 2 micro-batches per step with the global contrastive batch: every step runs the
-    # no-grad forward and the RNG-restoring second forward of recipe.passes through the compiled towers
+    # no-grad forward and the RNG-restoring second forward of recipe.training.passes through the compiled towers
     ds = ds_json(tmp_path, "zero2_bf16_halfmaster.json", micro=8, accumulation=2)
     common = dict(steps=4, save_every=2, contrastive_batch="global", optim=OPTIM)
     eager = train_cfg(data, tmp_path / "eager", ds, **common)
@@ -127,8 +127,8 @@ def test_compiled_zero3_trains_like_eager(data: Path, tmp_path: Path) -> None:
 
 
 def test_compile_towers_keeps_the_module_tree() -> None:
-    from recipe.engine import compile_towers, compiled_units
     from recipe.model import create_model
+    from recipe.training.engine import compile_towers, compiled_units
 
     torch.manual_seed(0)
     model = create_model("tiny")
@@ -170,9 +170,9 @@ class _Noisy(nn.Module):
 
 def test_compiled_no_grad_and_grad_forwards_draw_the_same_random_numbers() -> None:
     """The global contrastive batch forwards each micro-batch twice, first without a graph, then with
-    one, from the same RNG state (recipe.passes): the compiled inference graph and the compiled training
+    one, from the same RNG state (recipe.training.passes): the compiled inference graph and the compiled training
     graph must draw the same masks."""
-    from recipe.engine import compile_towers
+    from recipe.training.engine import compile_towers
 
     model = nn.Module()
     model.visual, model.text = _Noisy(), _Noisy()

@@ -1,4 +1,4 @@
-"""The EMA of the weights (``--ema-decay``, :mod:`recipe.ema`).
+"""The EMA of the weights (``--ema-decay``, :mod:`recipe.training.ema`).
 
 In process: the EMA follows the recurrence computed independently in fp64 from the recorded live
 weights (fp32: to 1e-6; bf16/fp16 with stochastic rounding: an error whose mean over the elements
@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from optim.rounding import random_bits, round_with_bits
-from recipe.ema import ModelEMA, ema_decay_at, ema_update_, noise_key
+from recipe.training.ema import ModelEMA, ema_decay_at, ema_update_, noise_key
 
-from ..dist_utils import run_distributed
-from .test_train import ENV, _train_worker, ds_json, losses_of, train_cfg
+from ...dist_utils import run_distributed
+from ..test_train import ENV, _train_worker, ds_json, losses_of, train_cfg
 
 # --------------------------------------------------------------------------------------------------
 # in process

@@ -6,7 +6,7 @@
   held before step 1, captured in the run), and it follows a float64 EMA of the recorded module weights
   within the stochastic rounding's bound (an unbiased error: its mean over the elements is zero within
   5 sigma). On the fp16 route (loss scale 2**14: this model's first steps overflow) an overflow step
-  leaves the EMA and its update count as they were (:mod:`recipe.ema`); under ``--compile`` an
+  leaves the EMA and its update count as they were (:mod:`recipe.training.ema`); under ``--compile`` an
   evaluation of the EMA mid-run swaps its tensors into the compiled towers, and training goes on without
   recompiling.
 * grad_norm: every fp16 step that did not overflow logs the float64 norm of the unscaled all-reduced
@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 import torch
 
-from recipe.ema import ema_decay_at
+from recipe.training.ema import ema_decay_at
 
-from ..dist_utils import run_distributed
+from ...dist_utils import run_distributed
 from .test_ema import _expected, _param_names, _weights
-from .test_train import ENV, ds_json, train_cfg
+from ..test_train import ENV, ds_json, train_cfg
 
 DECAY = 0.9
 
@@ -40,7 +40,7 @@ def _worker(rank: int, world: int, cfgs: list[dict], compiled: bool) -> list[dic
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    import recipe.step as S
+    import recipe.training.step as S
     import recipe.train as T
     from recipe.config import config_from_dict
 

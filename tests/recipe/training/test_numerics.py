@@ -1,4 +1,4 @@
-"""recipe.numerics: the sampled telemetry against references computed on the whole tensors, no host
+"""recipe.training.numerics: the sampled telemetry against references computed on the whole tensors, no host
 reads inside the step, the flag, and the keys in a real run's metrics.jsonl."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from optim import SRAdamW
-from recipe.numerics import NumericsMonitor, build_numerics
+from recipe.training.numerics import NumericsMonitor, build_numerics
 
 LOG100 = math.log(100.0)
 BETAS = (0.9, 0.98)
@@ -278,7 +278,7 @@ def test_flag_default_off_and_bad_values() -> None:
 
 
 def test_run_logs_numerics(data: Path, tmp_path: Path) -> None:
-    from .test_train import ds_json, run, train_cfg
+    from ..test_train import ds_json, run, train_cfg
 
     cfg = train_cfg(data, tmp_path / "run", ds_json(tmp_path, "zero2_bf16_halfmaster.json"), steps=4, log_every=2,
                     numerics_every=1, eval_every=0)

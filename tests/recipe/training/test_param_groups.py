@@ -1,4 +1,4 @@
-"""Tests of recipe.param_groups: a partition of the trainable parameters, CLIP's weight-decay rule
+"""Tests of recipe.training.param_groups: a partition of the trainable parameters, CLIP's weight-decay rule
 (all weights but gains, biases and the logit scale), per-tower precision flags, and the groups'
 effect inside real optimizers (torch AdamW and optim.SRAdamW).
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from recipe.model import create_model
-from recipe.param_groups import param_groups
+from recipe.training.param_groups import param_groups
 
 MODELS = {
     "tiny": dict(preset="tiny"),
@@ -199,8 +199,8 @@ def test_layer_decay_groups_and_scales():
 def test_build_optimizer_rates_move_parameters_by_their_scale():
     """Adam's first step moves every element by lr (the update is g / |g|): the rates are read off the step."""
     from recipe.config import TrainConfig
-    from recipe.optimizer import build_optimizer, describe_groups, tower_lr_scales
-    from recipe.precision import Precision
+    from recipe.training.optimizer import build_optimizer, describe_groups, tower_lr_scales
+    from recipe.training.precision import Precision
 
     torch.manual_seed(0)
     model = create_model("tiny")

@@ -1,8 +1,8 @@
-"""The passes of one optimizer step (recipe/passes.py), in one process against a plain-autograd
+"""The passes of one optimizer step (recipe/training/passes.py), in one process against a plain-autograd
 reference: the global contrastive batch's gradients equal those of one graph over all micro-batches
 with dropout, stochastic depth and BatchNorm in play; BatchNorm statistics move once per sample; the
 random-number state ends as after one forward per micro-batch; fp16 loss scaling reaches the
-embedding gradients. Training under DeepSpeed with accumulation: tests/recipe/test_accumulation.py."""
+embedding gradients. Training under DeepSpeed with accumulation: tests/recipe/training/test_accumulation.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 
 from recipe.loss import ClipLoss
 from recipe.model import create_model
-from recipe.passes import batchnorm_stats_frozen, global_passes, micro_passes, run_passes
-from recipe.precision import DynamicLossScaler, Precision
+from recipe.training.passes import batchnorm_stats_frozen, global_passes, micro_passes, run_passes
+from recipe.training.precision import DynamicLossScaler, Precision
 
 FP32 = Precision("fp32", 0, torch.float32, torch.float32, False)
 

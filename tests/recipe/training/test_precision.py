@@ -1,4 +1,4 @@
-"""The start-of-run note for bf16 on a CPU without bf16 instructions (recipe/precision.py): said for
+"""The start-of-run note for bf16 on a CPU without bf16 instructions (recipe/training/precision.py): said for
 BatchNorm and convolutional towers on such a CPU, never for the demo's ViT, fp32, a GPU, or a CPU that
 has the instructions."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from recipe.model import create_model
-from recipe.precision import Precision, cpu_has_bf16, slow_bf16_on_cpu
-from recipe.tokenizer import train_tokenizer
+from recipe.model.tokenizer import train_tokenizer
+from recipe.training.precision import Precision, cpu_has_bf16, slow_bf16_on_cpu
 
 BF16 = Precision("bf16", 2, torch.bfloat16, torch.bfloat16, True)
 FP32 = Precision("fp32", 2, torch.float32, torch.float32, False)
@@ -33,7 +33,7 @@ def test_a_convnet_on_bf16_without_bf16_instructions_is_named_with_the_fast_rout
     assert note is not None and note.startswith("note: this CPU has no bf16 instructions (AVX512-BF16 or AMX)")
     assert "20 BatchNorm2d, 20 Conv2d layers run 20-200x slower" in note
     assert note.endswith("DS_CONFIG=ds_configs/zero2_fp32.json is the fast route on this machine")
-    assert (Path(__file__).resolve().parents[2] / "ds_configs" / "zero2_fp32.json").is_file()
+    assert (Path(__file__).resolve().parents[3] / "ds_configs" / "zero2_fp32.json").is_file()
 
 
 def test_no_note_where_bf16_is_fast(resnet, tokenizer) -> None:

@@ -1,4 +1,4 @@
-"""recipe/step.py: the recipe-managed routes' gradient multiplier (inverse loss scale x clipping factor)
+"""recipe/training/step.py: the recipe-managed routes' gradient multiplier (inverse loss scale x clipping factor)
 and the norm it reports, against a float64 reference."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from recipe.precision import DynamicLossScaler, Precision
-from recipe.step import grad_multiplier
+from recipe.training.precision import DynamicLossScaler, Precision
+from recipe.training.step import grad_multiplier
 
 
 def _module(dtype: torch.dtype, scale: float, seed: int = 0) -> torch.nn.Module:
@@ -65,12 +65,12 @@ def _engine_step_worker(rank: int, world: int, name: str) -> dict:
     import deepspeed
 
     from optim import SRAdamW
-    from recipe.engine import engine_config
-    from recipe.precision import resolve_precision
-    from recipe.step import step_kwargs
+    from recipe.training.engine import engine_config
+    from recipe.training.precision import resolve_precision
+    from recipe.training.step import step_kwargs
 
     deepspeed.init_distributed(dist_backend="gloo")
-    ds = json.loads((Path(__file__).resolve().parents[2] / "ds_configs" / name).read_text())
+    ds = json.loads((Path(__file__).resolve().parents[3] / "ds_configs" / name).read_text())
     ds["train_micro_batch_size_per_gpu"] = 1
     prec, cfg = resolve_precision(ds)
     assert prec.recipe_managed and prec.recipe_clip == 1.0
@@ -99,8 +99,8 @@ def test_deepspeed_does_not_clip_the_recipe_managed_gradients(name: str) -> None
     """The recipe clips by SRAdamW's multiplier; the engine step must hand SRAdamW the gradients as
     they are (they were clipped twice on the fp16 route: DeepSpeed's default clipping at 1.0 applied
     to the loss-scaled gradients when the recipe removed the key)."""
-    from ..dist_utils import run_distributed
-    from .test_train import ENV
+    from ...dist_utils import run_distributed
+    from ..test_train import ENV
 
     (out,) = run_distributed(_engine_step_worker, 1, name, init_process_group=False, env=ENV, timeout_s=300)
     assert out["norm"] > 10  # clipping is active
@@ -120,9 +120,9 @@ def test_communication_data_type_is_taken_over_as_the_all_reduce_dtype() -> None
     import json
     from pathlib import Path
 
-    from recipe.precision import ConfigError, resolve_precision
+    from recipe.training.precision import ConfigError, resolve_precision
 
-    root = Path(__file__).resolve().parents[2] / "ds_configs"
+    root = Path(__file__).resolve().parents[3] / "ds_configs"
     shipped = json.loads((root / "zero0_bf16_sr.json").read_text())
     prec, cfg = resolve_precision(shipped)
     assert prec.reduce_dtype == torch.bfloat16 and "communication_data_type" not in cfg
@@ -140,7 +140,7 @@ def test_communication_data_type_is_taken_over_as_the_all_reduce_dtype() -> None
 
 
 def _allreduce_worker(rank: int, world: int) -> dict:
-    from recipe.precision import allreduce_gradients
+    from recipe.training.precision import allreduce_gradients
 
     out = {}
     for name, dtype in (("default", None), ("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -158,7 +158,7 @@ def test_gradient_all_reduce_in_bf16_and_fp32() -> None:
     """3 ranks: fp32 (the default without the key) rounds the mean once; bf16 differs from it by at most
     W - 1 bf16 roundings of the running sum; either is the same on every rank (the replicas stay equal).
     2 ranks: bf16 and fp32 agree bit for bit."""
-    from ..dist_utils import run_distributed
+    from ...dist_utils import run_distributed
 
     res = run_distributed(_allreduce_worker, 3)
     inputs = [torch.cat([g.double() for g in r["fp32_in"]]) for r in res]
