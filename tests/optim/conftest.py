@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 
 from optim import _cpu_kernel
@@ -15,3 +21,21 @@ def eager_cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     semantic tests then check the definition itself."""
     if request.module.__name__.rsplit(".", 1)[-1] not in ("test_cpu_kernel", "test_plan", "test_host"):
         monkeypatch.setattr(_cpu_kernel, "available", lambda: False)
+
+
+@pytest.fixture
+def no_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[ModuleType], contextlib.AbstractContextManager]:
+    """``with no_compiler(module) as fresh:`` ``module`` reloaded with a build cache of its own
+    (``tmp_path / "cache"``) and ``CXX`` naming a compiler that does not exist; reloaded as it was after."""
+
+    @contextlib.contextmanager
+    def reloaded(module: ModuleType) -> Iterator[ModuleType]:
+        monkeypatch.setenv("SRADAMW_CPU_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+        try:
+            yield importlib.reload(module)
+        finally:
+            monkeypatch.undo()
+            importlib.reload(module)
+
+    return reloaded

@@ -146,16 +146,11 @@ def test_one_call_per_specialisation_whatever_the_number_of_tensors() -> None:
     assert calls == [2]  # bf16 SR and fp32: one kernel call each
 
 
-def test_libraries_are_cached_and_a_missing_compiler_falls_back_to_eager(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_libraries_are_cached_and_a_missing_compiler_falls_back_to_eager(tmp_path: Path, no_compiler) -> None:
     spec = tuple(dict(P_KIND=1, G_KIND=1, M_KIND=1, V_KIND=1, MASTER=0, SCALE_M=False, SCALE_V=False, SR_P=True,
                       SR_M=True, SR_V=True, GMUL=0, CLAMP=False).items())
     assert _cpu_kernel.library_path(spec).exists()  # built by available() above, in the default cache
-    # a fresh module state: a cache directory of its own and no compiler
-    monkeypatch.setenv("SRADAMW_CPU_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    fresh = importlib.reload(_cpu_kernel)
-    try:
+    with no_compiler(_cpu_kernel) as fresh:  # a fresh module state: a cache directory of its own, no compiler
         with pytest.warns(RuntimeWarning, match="no-such-compiler"):
             assert not fresh.available()
         assert "no-such-compiler" in fresh.unavailable_reason()
@@ -167,9 +162,6 @@ def test_libraries_are_cached_and_a_missing_compiler_falls_back_to_eager(tmp_pat
         assert opt._update_for(torch.device("cpu")) is sradamw._pytorch_updates_
         opt.step()  # the eager definition
         assert not any((tmp_path / "cache").glob("*.so"))
-    finally:
-        monkeypatch.undo()
-        importlib.reload(_cpu_kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

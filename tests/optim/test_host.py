@@ -4,7 +4,6 @@ where the C++ walk cannot be built warns once and runs the Python walk with the 
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
@@ -133,11 +132,8 @@ def test_both_walks_give_the_same_optimizer_bits(monkeypatch: pytest.MonkeyPatch
     assert_same_optimizer_bits(b, pb, a, pa, "native vs python walk")
 
 
-def test_no_compiler_warns_once_and_walks_in_python(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SRADAMW_CPU_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    fresh = importlib.reload(_host)
-    try:
+def test_no_compiler_warns_once_and_walks_in_python(tmp_path, no_compiler) -> None:
+    with no_compiler(_host) as fresh:
         with pytest.warns(RuntimeWarning, match="no-such-compiler"):
             assert not fresh.wait()
         assert "no-such-compiler" in fresh.unavailable_reason()
@@ -145,6 +141,3 @@ def test_no_compiler_warns_once_and_walks_in_python(tmp_path, monkeypatch: pytes
         code, _, out = call(lists, plan_params, row_of, g_words)  # the Python walk
         assert code == _host.OK and out.tolist() == [p.grad.data_ptr() for p in params]
         assert not any((tmp_path / "cache").glob("*.so"))
-    finally:
-        monkeypatch.undo()
-        importlib.reload(_host)
