@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -76,9 +76,12 @@ def run_passes(
     prec: Precision,
     batches: Sequence[dict[str, Any]],
     world: int,
+    last_backward: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> Passes:
     """The passes of one optimizer step over ``batches`` in contrastive-batch ``mode``; the optimizer
-    step itself (after the last backward) is the caller's.
+    step itself (after the last backward) is the caller's. The step's last backward pass runs inside
+    ``last_backward()`` (the overlapped gradient all-reduce sends from there:
+    :mod:`recipe.training.overlap`).
 
     Raises:
         ValueError: An unknown ``mode``.
@@ -86,8 +89,8 @@ def run_passes(
     if mode not in CONTRASTIVE_BATCHES:
         raise ValueError(f"contrastive_batch must be one of {', '.join(CONTRASTIVE_BATCHES)}, got {mode!r}")
     if mode == "global" and len(batches) > 1:
-        return global_passes(engine, loss_fn, prec, batches, world)
-    return micro_passes(engine, loss_fn, prec, batches, world)
+        return global_passes(engine, loss_fn, prec, batches, world, last_backward)
+    return micro_passes(engine, loss_fn, prec, batches, world, last_backward)
 
 
 def _inputs(batch: dict[str, Any], device: torch.device, prec: Precision) -> tuple[torch.Tensor, ...]:
@@ -96,7 +99,8 @@ def _inputs(batch: dict[str, Any], device: torch.device, prec: Precision) -> tup
 
 
 def micro_passes(
-    engine: Any, loss_fn: ClipLoss | SigLipLoss, prec: Precision, batches: Sequence[dict[str, Any]], world: int
+    engine: Any, loss_fn: ClipLoss | SigLipLoss, prec: Precision, batches: Sequence[dict[str, Any]], world: int,
+    last_backward: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> Passes:
     """Forward, loss and backward of each micro-batch in turn (DeepSpeed divides each loss by k)."""
     device = next(engine.module.parameters()).device
@@ -104,7 +108,8 @@ def micro_passes(
     for i, batch in enumerate(batches):
         image, text, *logit = engine(*_inputs(batch, device, prec))  # logit: scale (and SigLIP's bias)
         loss, m = loss_fn(image, text, *logit, sizes=[image.shape[0]] * world)
-        engine.backward(loss * prec.loss_scaler.scale if prec.loss_scaler else loss)
+        with last_backward() if i == len(batches) - 1 else contextlib.nullcontext():
+            engine.backward(loss * prec.loss_scaler.scale if prec.loss_scaler else loss)
         losses.append(loss.detach())
         metrics.append(m)
         samples += image.shape[0] * world
@@ -115,7 +120,8 @@ def micro_passes(
 
 
 def global_passes(
-    engine: Any, loss_fn: ClipLoss | SigLipLoss, prec: Precision, batches: Sequence[dict[str, Any]], world: int
+    engine: Any, loss_fn: ClipLoss | SigLipLoss, prec: Precision, batches: Sequence[dict[str, Any]], world: int,
+    last_backward: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> Passes:
     """One loss over all micro-batches of all ranks, through an embedding cache (see the module)."""
     module = engine.module
@@ -152,7 +158,8 @@ def global_passes(
                 if i == 0:
                     for t, g in zip(logit, grads[2]):
                         surrogate = surrogate + (t.float() * g.float()).sum()
-                engine.backward(surrogate, scale_wrt_gas=False)  # the gradients are already the step's total
+                with last_backward() if i == len(batches) - 1 else contextlib.nullcontext():
+                    engine.backward(surrogate, scale_wrt_gas=False)  # the gradients are already the step's total
                 del image, text, logit, surrogate
                 if i < len(batches) - 1:
                     engine.step()  # DeepSpeed counts micro-steps: the update happens at the accumulation boundary

@@ -29,6 +29,7 @@ from optim import SRAdamW
 from .distributed import max_over_ranks_, rank_world
 from ..loss import ClipLoss, SigLipLoss
 from .passes import run_passes
+from .overlap import reducer_for
 from .precision import Precision, allreduce_gradients
 
 __all__ = ["TrainState", "StepResult", "train_step", "record_skip", "step_kwargs", "grad_multiplier"]
@@ -158,7 +159,10 @@ def train_step(
         FloatingPointError: Too many non-finite steps in a row.
     """
     world = rank_world()[1]
-    passes = run_passes(contrastive_batch, engine, loss_fn, prec, list(batches), world)
+    # the recipe-managed routes average the gradients themselves, sent during the last backward pass
+    reducer = reducer_for(engine, prec.reduce_dtype) if prec.recipe_managed else None
+    passes = run_passes(contrastive_batch, engine, loss_fn, prec, list(batches), world,
+                        reducer.last_backward if reducer is not None else contextlib.nullcontext)
     losses, metrics = passes.losses, passes.metrics
     if after_backward is not None:
         after_backward([*losses, *(v for m in metrics for v in m.values())])
@@ -168,7 +172,10 @@ def train_step(
     grad_norm = None
     if prec.recipe_managed:
         params = list(engine.module.parameters())  # one walk of the module tree for both
-        allreduce_gradients(params, reduce_dtype=prec.reduce_dtype)
+        if reducer is not None:
+            reducer.finish()  # waits for the buckets sent during backward, sends and waits for the rest
+        else:
+            allreduce_gradients(params, reduce_dtype=prec.reduce_dtype)  # one rank: nothing to do
         if prec.loss_scaler is not None or prec.recipe_clip > 0:
             kwargs["inv_grad_scale"], grad_norm = grad_multiplier(params, prec)
     ours = isinstance(opt, SRAdamW)
