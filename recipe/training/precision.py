@@ -23,7 +23,8 @@ Three modes:
   bf16, averages the gradients itself and clips by the multiplier; SRAdamW updates the module's own
   tensors. Replicated weights (DDP-style): it skips ZeRO's per-gradient hooks, flattening,
   bucketing, per-group norms and partition copies, and communicates once per optimizer step (one
-  gradient all-reduce, no weight all-gather). The recipe's default for any number of GPUs.
+  gradient all-reduce, overlapped with the last backward pass by :mod:`recipe.training.overlap`; no
+  weight all-gather). The recipe's default for any number of GPUs.
 * **The recipe's gradient all-reduce** (both routes above) sums in the JSON's top-level
   ``communication_data_type`` (DeepSpeed's key, taken over like ``gradient_clipping``): ``"bf16"``
   (``zero0_bf16_sr.json``: half the bytes of fp32; the sum is rounded to bf16 along the way, as in
