@@ -366,9 +366,9 @@ class TrainConfig:
                 raise ValueError("--image-weights contradicts --init-from: the weights come from the init directory")
         self._validate_zeroshot()
         if self.eval_benchmark:  # CLIP_benchmark's names and files, before anything is written
-            from .benchmark.training import check_config
+            from .benchmark.datasets import resolve_all  # imports nothing of the recipe: no import circle
 
-            check_config(self.eval_benchmark, self.benchmark_root)
+            resolve_all(self.eval_benchmark, self.benchmark_root)
         if not Path(self.deepspeed_config).is_file():
             raise FileNotFoundError(f"DeepSpeed config not found: {self.deepspeed_config}")
         from .training.precision import read_ds_config  # imports torch: only once the cheap checks passed

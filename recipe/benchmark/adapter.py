@@ -7,8 +7,9 @@ attention mask, so :class:`BenchmarkTokenizer` hands it the run's token ids and 
 included (the end-of-text token kept). Features come back unnormalised in fp32, whatever the model's dtype.
 
 :func:`check_prompts` says when the run's context is too short for a dataset's templates (the class name
-would be cut off), and :func:`image_transform` is the run's evaluation transform (timm's, from the image
-tower's data config; grey or RGBA images converted to RGB first, as open_clip's transform does).
+would be cut off), :func:`check_tokenizer` the same for every classification dataset of a list, and
+:func:`image_transform` is the run's evaluation transform (timm's, from the image tower's data config; grey
+or RGBA images converted to RGB first, as open_clip's transform does).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from torch import nn
 
 from .datasets import BenchmarkError
 
-__all__ = ["BenchmarkModel", "BenchmarkTokenizer", "PromptsTooLong", "prompts_of", "check_prompts", "image_transform"]
+__all__ = ["BenchmarkModel", "BenchmarkTokenizer", "PromptsTooLong", "prompts_of", "check_prompts", "check_tokenizer",
+           "image_transform"]
 
 
 class PromptsTooLong(BenchmarkError):
@@ -92,6 +94,21 @@ def check_prompts(tokenizer: Any, classnames: Sequence[str], templates: Sequence
             f"{context} tokens: {over} of its {len(prompts)} prompts are longer (the longest, {longest!r}, takes "
             f"{longest_len} tokens with the start and end tokens) and would lose their class names to truncation. "
             f"Evaluate a run trained with --context-length {longest_len} or more")
+
+
+def check_tokenizer(names: Any, root: str | None, tokenizer: Any) -> None:
+    """Raises :class:`PromptsTooLong` when the tokenizer's context cannot hold a classification prompt of the
+    datasets (``NAME[,...]`` under ``root``, or resolved specs; read with their class names and templates, no
+    images). Used by :mod:`recipe.benchmark.cli` and, as :func:`recipe.benchmark.training.check_tokenizer`,
+    by training."""
+    if not names:
+        return
+    from .datasets import CLASSIFICATION, build, resolve_all
+
+    for spec in resolve_all(names, root):
+        if spec.task == CLASSIFICATION:
+            ds = build(spec)
+            check_prompts(tokenizer, ds.classes, ds.templates, spec.name)
 
 
 class _RGB:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..training.distributed import rank_world
-from .adapter import image_transform
+from .adapter import check_tokenizer, image_transform
 from .datasets import build, resolve_all
 from .evaluation import BenchmarkResult, evaluate_dataset
 from .results import flat_metrics, format_table, summary_rows, write_results
@@ -64,7 +64,6 @@ def run(args: Any) -> dict[str, Any]:
     """The ``--benchmark`` path of ``python -m recipe.evaluate`` (``args``: its parsed arguments)."""
     from ..export.run import find_checkpoint, load_run, parse_dtype
     from ..model.tokenizer import load_tokenizer
-    from .training import check_tokenizer
 
     # names, files and the tokenizer's context checked before the model is read
     specs = resolve_all(args.benchmark, args.benchmark_root)

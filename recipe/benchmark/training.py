@@ -2,9 +2,11 @@
 at every ``--eval-every`` and at the end, next to the validation metrics (``metrics.jsonl`` rows of kind
 ``eval``, TensorBoard ``eval/benchmark_<dataset>_<metric>``, ``final_metrics.json``).
 
-:func:`check_config` runs with the configuration's validation (names and files, before anything is
-written); :func:`check_tokenizer` once the run's tokenizer exists (its context must hold every
-classification prompt), so that neither problem surfaces only at the first evaluation.
+:func:`check_config` is the check the configuration's validation runs (names and files, before anything
+is written: :meth:`recipe.config.TrainConfig.validate` calls :func:`recipe.benchmark.datasets.resolve_all`
+itself); :func:`check_tokenizer` (:func:`recipe.benchmark.adapter.check_tokenizer`) runs once the run's
+tokenizer exists (its context must hold every classification prompt), so that neither problem surfaces only
+at the first evaluation.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from .adapter import check_tokenizer
 
 __all__ = ["check_config", "check_tokenizer", "benchmark_metrics"]
 
@@ -24,21 +28,6 @@ def check_config(names: str | None, root: str | None) -> None:
     from .datasets import resolve_all
 
     resolve_all(names, root)
-
-
-def check_tokenizer(names: Any, root: str | None, tokenizer: Any) -> None:
-    """Raises :class:`recipe.benchmark.adapter.PromptsTooLong` when the tokenizer's context cannot hold a
-    classification prompt of the datasets (``NAME[,...]`` under ``root``, or resolved specs; read with their
-    class names and templates, no images)."""
-    if not names:
-        return
-    from .adapter import check_prompts
-    from .datasets import CLASSIFICATION, build, resolve_all
-
-    for spec in resolve_all(names, root):
-        if spec.task == CLASSIFICATION:
-            ds = build(spec)
-            check_prompts(tokenizer, ds.classes, ds.templates, spec.name)
 
 
 def benchmark_metrics(model: torch.nn.Module, tokenizer: Any, names: str, root: str, batch_size: int,
