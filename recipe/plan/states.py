@@ -18,7 +18,9 @@ model's parameter layout (a ``meta``-device model: no memory, no time) without r
 * ZeRO-3 (``stage3.py``): every parameter is partitioned on its own (``ceil(numel / world)``);
   parameters of at most ``param_persistence_threshold`` elements stay gathered on every rank;
   the reduce bucket (``reduce_bucket_size`` elements) stays allocated;
-* ZeRO-0 (the fp16 and bf16 ZeRO-0 routes): the optimizer updates the module's own weights, gradients are whole.
+* ZeRO-0 (the fp16 and bf16 ZeRO-0 routes): the optimizer updates the module's own weights, gradients are whole;
+  on several ranks the overlapped all-reduce holds the sums in the reduction dtype in place of the gradients
+  from the last backward to the step (no more memory when it is the gradients' dtype, the shipped JSON's).
 
 Everything is the largest value over ranks (ranks differ by what touches their partition).
 """
@@ -193,6 +195,11 @@ def state_bytes(layout: ModelLayout, prec: Precision, ds_config: dict[str, Any],
             s = n * _state_bytes_per_element(pdt, g, prec.sr_state_dtype)
             out.optimizer_state += s
             out.per_group[g.name] = {"params": n, "partition": 0, "state": s}
+        if world > 1 and prec.recipe_managed:
+            # the overlapped all-reduce (recipe.training.overlap) holds the sums in the reduction dtype in
+            # place of the gradients until the step: the difference when that dtype is the wider one
+            reduce = prec.reduce_dtype or (torch.float32 if pdt == torch.bfloat16 else pdt)
+            out.backward_buffers = layout.params * max(0, reduce.itemsize - pb)
         return out
     if stage == 3:
         return _stage3(layout, prec, zero, world, part_dtype)

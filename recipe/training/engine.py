@@ -102,7 +102,7 @@ def build_engine(
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=engine_config(ds_config, world, opt))
     if prec.recipe_managed:
-        engine.enable_backward_allreduce = False  # done by allreduce_gradients (see recipe.training.precision)
+        engine.enable_backward_allreduce = False  # done by recipe.training.overlap (see recipe.training.precision)
     return engine, opt, group_params
 
 

@@ -1,9 +1,8 @@
 """The recipe-managed routes' gradient all-reduce, overlapped with the step's last backward pass.
 
 On the recipe-managed routes (bf16 and fp16 at ZeRO stage 0: :mod:`recipe.training.precision`) every
-rank holds the whole model and the recipe averages the gradients itself. Done after the backward
-(:func:`recipe.training.precision.allreduce_gradients`), the communication adds its whole time to the
-step. :class:`OverlappedAllReduce` starts it during the last backward pass instead, as PyTorch's DDP
+rank holds the whole model and the recipe averages the gradients itself. Done after the backward,
+the communication would add its whole time to the step. :class:`OverlappedAllReduce` starts it during the last backward pass instead, as PyTorch's DDP
 does: the gradients are cut into buckets in the reverse order of the parameters (about the order in
 which backward produces them), a hook on each parameter counts its gradient in, and a bucket whose
 gradients are all complete is flattened, converted to the reduction dtype and all-reduced
@@ -14,14 +13,16 @@ give in their first backward), waits, and writes the means back.
 * Order: every rank must issue the same collectives in the same order. Buckets are sent strictly in
   their index order (a ready bucket waits for all lower ones), so the order never depends on when a
   rank's hooks fire.
-* Results: each bucket is the same flat sum as :func:`allreduce_gradients` computes (same reduction
-  dtype, same division by the world size); only the grouping into buckets differs, which does not
-  change an element's sum over ranks (an element-wise reduction).
+* Results: each element is summed over the ranks in the reduction dtype and divided by the world size
+  there, then rounded to the gradients' dtype; the grouping into buckets does not change an
+  element's sum (an element-wise reduction; tests compare with an all-reduce after backward).
 * Only the backward inside :meth:`OverlappedAllReduce.last_backward` sends; the earlier micro-batches'
   backwards accumulate locally, as without overlap.
-* Memory: the buckets in flight hold a copy of the gradients in the reduction dtype until
-  :meth:`finish` (2 bytes per parameter with ``communication_data_type: bf16``), held while backward
-  releases the activations.
+* Memory: a bucket's gradients are released as it is sent (their values are in the bucket), and at
+  :meth:`finish` the gradients become views of the buckets' means: with the reduction in the
+  gradients' dtype (``communication_data_type: bf16`` for bf16 gradients, the shipped JSON) nothing
+  is held beyond one bucket's copy while it is made; a wider reduction dtype holds the difference
+  (fp32 sums of bf16 gradients: 2 bytes per parameter) until :meth:`finish`.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class _Bucket:
     params: list[torch.Tensor]
     ready: int = 0  # parameters of this bucket whose gradient the armed backward completed
     flat: torch.Tensor | None = None  # the gradients, flat, in the reduction dtype (sent)
-    grads: list[torch.Tensor] = field(default_factory=list)  # the tensors flat was made of (written back)
+    grads: list[torch.Tensor] = field(default_factory=list)  # the parameters whose gradients flat holds
     work: Any = None  # the asynchronous all-reduce
 
 
@@ -60,7 +61,7 @@ class OverlappedAllReduce:
             bias: the global passes give theirs in the first backward): a bucket of their own, sent
             last, so that no other bucket waits for them.
         reduce_dtype: The dtype the sums are taken in (:attr:`Precision.reduce_dtype`); ``None``: fp32
-            for bf16 gradients, the gradients' own dtype otherwise (as :func:`allreduce_gradients`).
+            for bf16 gradients, the gradients' own dtype otherwise.
         bucket_bytes: Gradient bytes per bucket (in the parameters' dtype).
         group: The process group (default: the world).
     """
@@ -121,12 +122,14 @@ class OverlappedAllReduce:
     def _send(self, bucket: _Bucket) -> None:
         import torch.distributed as dist
 
-        bucket.grads = [p.grad for p in bucket.params if p.grad is not None]
+        bucket.grads = [p for p in bucket.params if p.grad is not None]
         if not bucket.grads:
             return
-        flat = torch.cat([g.reshape(-1) for g in bucket.grads])
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket.grads])
         dtype = self.reduce_dtype or (torch.float32 if flat.dtype == torch.bfloat16 else flat.dtype)
         bucket.flat = flat if flat.dtype == dtype else flat.to(dtype)
+        for p in bucket.grads:  # their values are in the bucket now: the memory goes back at once
+            p.grad = None
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
     def finish(self) -> int:
@@ -139,10 +142,12 @@ class OverlappedAllReduce:
             if bucket.work is not None:
                 bucket.work.wait()  # the collective's completion (on a GPU: the stream waits, not the host)
                 bucket.flat.div_(self.world)
+                grad_dtype = bucket.grads[0].dtype  # a bucket holds one dtype
+                means = bucket.flat if bucket.flat.dtype == grad_dtype else bucket.flat.to(grad_dtype)
                 offset = 0
-                for g in bucket.grads:
-                    g.copy_(bucket.flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
+                for p in bucket.grads:  # the gradients become views of the bucket (contiguous, p's shape)
+                    p.grad = means[offset:offset + p.numel()].view(p.shape)
+                    offset += p.numel()
             bucket.ready, bucket.flat, bucket.grads, bucket.work = 0, None, [], None
         self._next = 0
         return overlapped

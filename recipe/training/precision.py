@@ -14,7 +14,7 @@ Three modes:
   scaling with the section's own parameters; the inverse loss scale and the clipping factor reach
   SRAdamW as one gradient multiplier, applied in fp32 inside the update, and steps with inf/NaN
   gradients are skipped by SRAdamW and shrink the scale. There is no ZeRO sharding in this mode,
-  and the recipe all-reduces the (scaled, fp16) gradients itself with :func:`allreduce_gradients`:
+  and the recipe all-reduces the (scaled, fp16) gradients itself (:mod:`recipe.training.overlap`):
   DeepSpeed's own all-reduce refuses fp16 gradients on CPUs without native fp16 support.
 * **bf16 at ZeRO-0** (``"bf16"`` with ``bf16_master_weights_and_grads`` and ZeRO stage 0,
   ``ds_configs/zero0_bf16_sr.json``): the same recipe-managed path as fp16 without loss scaling.
@@ -52,7 +52,6 @@ __all__ = [
     "resolve_precision",
     "read_ds_config",
     "ConfigError",
-    "allreduce_gradients",
 ]
 
 
@@ -193,7 +192,7 @@ _REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 def _take_over_reduce_dtype(cfg: dict[str, Any], grad_dtype: torch.dtype) -> torch.dtype | None:
     """``communication_data_type`` taken over from the config handed to DeepSpeed (the recipe all-reduces
-    the gradients, :func:`allreduce_gradients`): fp32 or the gradients' own dtype; None when absent."""
+    the gradients, :mod:`recipe.training.overlap`): fp32 or the gradients' own dtype; None when absent."""
     value = cfg.pop("communication_data_type", None)
     if value is None:
         return None
@@ -280,48 +279,6 @@ def _check_zero_and_clipping(cfg: dict[str, Any]) -> None:
     clip = cfg.get("gradient_clipping", 0.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
         raise ConfigError(f"gradient_clipping must be a finite number >= 0, got {clip!r}")
-
-
-def allreduce_gradients(params: list[torch.Tensor], bucket_bytes: int = 1 << 26,
-                        reduce_dtype: torch.dtype | None = None) -> None:
-    """Averages the gradients of ``params`` over the data-parallel ranks, in flat per-dtype buckets,
-    summed in ``reduce_dtype`` (:attr:`Precision.reduce_dtype`, the JSON's ``communication_data_type``).
-
-    By default fp16 gradients are summed in fp16: overflow of the summed scaled gradients shows up as
-    inf and makes the step skip (the loss scaler's signal); bf16 gradients are summed in fp32 and
-    rounded once. Summed in bf16 (``reduce_dtype=torch.bfloat16``) the all-reduce moves half the bytes
-    and the sum is rounded to bf16 along the way (up to W - 1 times over W ranks, as DeepSpeed's ZeRO-1/2
-    bf16 reduction does); the mean is then the sum divided by W in bf16 (exact for a power-of-two W).
-    The result is the same on every rank (the collective's own guarantee), which keeps the replicas equal.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    world = dist.get_world_size()
-    grads = [p.grad for p in params if p.grad is not None]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for group in by_dtype.values():
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for g in group + [None]:
-            if g is not None:
-                bucket.append(g)
-                size += g.numel() * g.element_size()
-            if bucket and (g is None or size >= bucket_bytes):
-                flat = torch.cat([b.reshape(-1) for b in bucket])
-                dtype = reduce_dtype or (torch.float32 if flat.dtype == torch.bfloat16 else flat.dtype)
-                if flat.dtype != dtype:
-                    flat = flat.to(dtype)
-                dist.all_reduce(flat)
-                flat.div_(world)
-                offset = 0
-                for b in bucket:
-                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                    offset += b.numel()
-                bucket, size = [], 0
 
 
 def cpu_has_bf16() -> bool:

@@ -30,7 +30,7 @@ from .distributed import max_over_ranks_, rank_world
 from ..loss import ClipLoss, SigLipLoss
 from .passes import run_passes
 from .overlap import reducer_for
-from .precision import Precision, allreduce_gradients
+from .precision import Precision
 
 __all__ = ["TrainState", "StepResult", "train_step", "record_skip", "step_kwargs", "grad_multiplier"]
 
@@ -163,6 +163,8 @@ def train_step(
     reducer = reducer_for(engine, prec.reduce_dtype) if prec.recipe_managed else None
     passes = run_passes(contrastive_batch, engine, loss_fn, prec, list(batches), world,
                         reducer.last_backward if reducer is not None else contextlib.nullcontext)
+    if reducer is not None:
+        reducer.finish()  # waits for the buckets sent during backward, sends and waits for the rest
     losses, metrics = passes.losses, passes.metrics
     if after_backward is not None:
         after_backward([*losses, *(v for m in metrics for v in m.values())])
@@ -171,11 +173,7 @@ def train_step(
     kwargs: dict[str, Any] = {"found_inf": flags[:1]}  # [loss non-finite, stop], on any rank
     grad_norm = None
     if prec.recipe_managed:
-        params = list(engine.module.parameters())  # one walk of the module tree for both
-        if reducer is not None:
-            reducer.finish()  # waits for the buckets sent during backward, sends and waits for the rest
-        else:
-            allreduce_gradients(params, reduce_dtype=prec.reduce_dtype)  # one rank: nothing to do
+        params = list(engine.module.parameters())
         if prec.loss_scaler is not None or prec.recipe_clip > 0:
             kwargs["inv_grad_scale"], grad_norm = grad_multiplier(params, prec)
     ours = isinstance(opt, SRAdamW)

@@ -10,9 +10,21 @@ import pytest
 import torch
 
 from recipe.training.overlap import OverlappedAllReduce
-from recipe.training.precision import allreduce_gradients
 
 from ...dist_utils import run_distributed
+
+
+def allreduce_gradients(params: list[torch.Tensor], reduce_dtype: torch.dtype | None) -> None:
+    """The reference: every gradient all-reduced on its own after backward, summed in ``reduce_dtype``
+    (None: fp32 for bf16 gradients, else their own dtype), divided by the world size there, rounded back."""
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is not None:
+            dtype = reduce_dtype or (torch.float32 if p.grad.dtype == torch.bfloat16 else p.grad.dtype)
+            total = p.grad.to(dtype)
+            dist.all_reduce(total)
+            p.grad.copy_(total.div_(dist.get_world_size()))
 
 CASES = [(torch.bfloat16, None), (torch.bfloat16, torch.bfloat16), (torch.float32, None)]
 
@@ -51,6 +63,8 @@ def _worker(rank: int, world: int) -> dict:
                 else:
                     with reducer.last_backward():
                         model(xs[1], False).backward()
+                    in_flight = [p for b in reducer.buckets[:reducer._next] for p in b.params]
+                    out[f"{dtype}-{reduce_dtype}-released"] = all(p.grad is None for p in in_flight) and bool(in_flight)
                     sent = reducer.finish()
                     out[f"{dtype}-{reduce_dtype}-sent-during-backward"] = (sent, len(reducer.buckets))
         out[f"{dtype}-{reduce_dtype}"] = [(n, None if p.grad is None else p.grad.clone(), None if q.grad is None else q.grad.clone())
@@ -86,14 +100,31 @@ def test_overlapped_gradients_equal_the_allreduce_after_backward(results: list[d
         sent, buckets = r[f"{key}-sent-during-backward"]
         assert buckets == 7 and sent == 6, (sent, buckets)  # all but the bucket of `extra` (outside the graph)
         assert "finish() was not called" in r[f"{key}-error"]
+        assert r[f"{key}-released"]  # a sent bucket's gradients are released until finish() gives the means
 
 
 # --------------------------------------------------------------------------------------------------
 # end to end: the recipe's bf16 ZeRO-0 route at world size 2, with and without the overlap
 # --------------------------------------------------------------------------------------------------
+class _AfterBackward:
+    """In place of the overlapped all-reduce: the reference all-reduce, after backward."""
+
+    def __init__(self, engine, reduce_dtype) -> None:
+        self.params, self.reduce_dtype = list(engine.module.parameters()), reduce_dtype
+
+    def last_backward(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def finish(self) -> int:
+        allreduce_gradients(self.params, self.reduce_dtype)
+        return 0
+
+
 def _two_runs_worker(rank: int, world: int, overlapped: dict, plain: dict) -> dict:
     """The same training twice: through train_step's overlapped all-reduce (counting the buckets sent
-    during backward), then with ``reducer_for`` giving None (the all-reduce after backward)."""
+    during backward), then with the reference all-reduce after backward in its place."""
     import recipe.training.step as step_module
     from recipe.training import overlap
 
@@ -105,7 +136,7 @@ def _two_runs_worker(rank: int, world: int, overlapped: dict, plain: dict) -> di
     overlap.OverlappedAllReduce.finish = lambda self: sent.append(real_finish(self)) or sent[-1]
     _train_worker(rank, world, [overlapped], None)
     overlap.OverlappedAllReduce.finish = real_finish
-    step_module.reducer_for = lambda engine, dtype: None
+    step_module.reducer_for = _AfterBackward
     _train_worker(rank, world, [plain], None)
     return {"sent": sent}
 

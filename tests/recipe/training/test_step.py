@@ -140,7 +140,7 @@ def test_communication_data_type_is_taken_over_as_the_all_reduce_dtype() -> None
 
 
 def _allreduce_worker(rank: int, world: int) -> dict:
-    from recipe.training.precision import allreduce_gradients
+    from recipe.training.overlap import OverlappedAllReduce
 
     out = {}
     for name, dtype in (("default", None), ("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -149,7 +149,9 @@ def _allreduce_worker(rank: int, world: int) -> dict:
         for p in params:
             p.grad = torch.randn(p.shape, dtype=torch.float64).to(torch.bfloat16)
         out[f"{name}_in"] = [p.grad.clone() for p in params]
-        allreduce_gradients(params, bucket_bytes=4000, reduce_dtype=dtype)  # several buckets
+        reducer = OverlappedAllReduce(params, dtype, bucket_bytes=4000)  # several buckets, all sent by finish()
+        reducer.finish()
+        reducer.close()
         out[name] = [p.grad.clone() for p in params]
     return out
 
