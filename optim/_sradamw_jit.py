@@ -298,6 +298,17 @@ if triton is not None:
 
     sradamw_kernel = _sradamw_kernel
 
+    # The maxima's reduction: Triton's own ``tl.max`` is a library ``@jit`` function, decorated when
+    # Triton is imported (compiled, if something imported Triton before ``TRITON_INTERPRET`` was set,
+    # as DeepSpeed does), so kernels reduce with the builtin ``tl.reduce`` and Triton's element-wise max
+    # as the combine function (the interpreter maps it to numpy), as recipe/loss/fused_kernels.py does.
+    _imax = getattr(tl.standard, "_elementwise_max", None)
+    if _imax is None:  # pragma: no cover - other Triton versions (slow interpreter path)
+
+        @triton.jit
+        def _imax(a, b):
+            return tl.maximum(a, b)
+
     @triton.jit
     def _grad_amax_kernel(addr_ptr, numel_ptr, index_ptr, blocks_ptr, out_ptr, WIDE: tl.constexpr,
                           BLOCK: tl.constexpr):
@@ -317,10 +328,10 @@ if triton is not None:
         inside = offs < tl.minimum(n - start, BLOCK).to(tl.int32)
         if WIDE:
             x = tl.load(addr.to(tl.pointer_type(tl.int32)) + start + offs, mask=inside, other=0)
-            m = tl.max(x & 0x7FFFFFFF, 0)
+            m = tl.reduce(x & 0x7FFFFFFF, 0, _imax)
         else:
             x = tl.load(addr.to(tl.pointer_type(tl.int16)) + start + offs, mask=inside, other=0)
-            m = tl.max(x.to(tl.int32) & 0x7FFF, 0)
+            m = tl.reduce(x.to(tl.int32) & 0x7FFF, 0, _imax)
         tl.atomic_max(out_ptr + j, m)
 
     grad_amax_kernel = _grad_amax_kernel

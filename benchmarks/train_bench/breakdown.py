@@ -27,7 +27,8 @@ BREAKDOWN_ROWS = [
     ("loss", "loss"),
     ("backward", "backward (autograd)"),
     ("ds_hooks", "DeepSpeed: per-gradient hooks (bucket copies)"),
-    ("ds_reduce", "gradient all-reduce (DeepSpeed's at the end of backward; ZeRO-0: the recipe's)"),
+    ("ds_reduce", "gradient all-reduce (DeepSpeed's at the end of backward; ZeRO-0: what the recipe's "
+                  "overlapped all-reduce leaves after backward, none at one rank)"),
     ("ds_overflow", "DeepSpeed: overflow check"),
     ("ds_norm", "gradient norm (DeepSpeed's; ZeRO-0: the recipe's; baseline: clip_grad_norm_)"),
     ("ds_clip", "DeepSpeed: unscale and clip"),
@@ -40,6 +41,7 @@ BREAKDOWN_ROWS = [
 
 
 def _clock_recipe(runner: RecipeRunner) -> PhaseClock:
+    import recipe.training.overlap
     import recipe.training.passes
     import recipe.training.step
 
@@ -63,8 +65,9 @@ def _clock_recipe(runner: RecipeRunner) -> PhaseClock:
     else:  # the recipe-managed routes (bf16 ZeRO-0, fp16): engine.step calls the client optimizer's step
         # at class level: recipe.training.step.step_kwargs binds ``type(opt).step`` for every step
         clock.wrap(type(zero), "step", "optimizer")
-    # the recipe's own all-reduce and clipping norm (recipe-managed routes; train_step calls them by name)
-    clock.wrap(recipe.training.step, "allreduce_gradients", "recipe_reduce")
+    # the recipe's own all-reduce (recipe-managed routes, two ranks or more: what is left of it after
+    # backward, at class level) and clipping norm (train_step calls it by name)
+    clock.wrap(recipe.training.overlap.OverlappedAllReduce, "finish", "recipe_reduce")
     clock.wrap(recipe.training.step, "grad_multiplier", "recipe_norm")
     stage12 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2")
     clock.wrap(stage12, "all_gather_dp_groups", "ds_allgather")

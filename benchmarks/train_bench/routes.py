@@ -75,6 +75,7 @@ def _clock(runner: RecipeRunner) -> PhaseClock:
     import deepspeed.comm
     import torch.distributed
 
+    import recipe.training.overlap
     import recipe.training.passes
     import recipe.training.step
     from optim import SRAdamW
@@ -85,7 +86,8 @@ def _clock(runner: RecipeRunner) -> PhaseClock:
     clock.wrap(runner, "loss_fn", "loss")
     clock.wrap(engine, "backward", "backward")
     clock.wrap(engine, "allreduce_gradients", "reduce")  # DeepSpeed's, at the end of backward
-    clock.wrap(recipe.training.step, "allreduce_gradients", "reduce")  # the recipe-managed routes'
+    # the recipe-managed routes' (two ranks or more): what the overlapped all-reduce leaves after backward
+    clock.wrap(recipe.training.overlap.OverlappedAllReduce, "finish", "reduce")
     clock.wrap(recipe.training.step, "grad_multiplier", "norm")
     clock.wrap(recipe.training.step, "read_outcome", "outcome")
     clock.wrap(engine, "step", "ds_step")
