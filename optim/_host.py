@@ -6,9 +6,12 @@ their storage where it was) and that every gradient is dense and contiguous, and
 gradient's address into the plan's metadata table. :func:`gather` does that walk:
 
 * ``optim/csrc/plan_host.cpp`` (a Python extension built against the installed torch, ~10 ns per
-  tensor): built on first use with the system's C++ compiler (:mod:`optim._build`; ~20 s once per
-  machine and torch version, cached) in a background thread, so no step waits for the compiler;
-  steps take the Python walk until it is ready (:func:`wait` blocks until then, for benchmarks);
+  tensor): built on first use with the system's C++ compiler (:mod:`optim._build`; 10-20 s once per
+  machine and torch version, logged at INFO; cached, then loading takes milliseconds). Built in
+  the calling thread, never in a background one: a training process forks DataLoader workers, and a
+  fork while another Python thread starts or ends can leave the child waiting forever on the
+  interpreter's thread lock (seen: a worker hung in ``PyOS_AfterFork_Child`` while the build thread
+  ended);
 * the Python walk (~0.35 us per tensor: C-level ``map`` over attribute reads and method calls), when
   the extension cannot be built here (no compiler or Python headers: said once in a
   ``RuntimeWarning``) or ``SRADAMW_PLAN_HOST=python``.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import array
 import importlib.machinery
 import importlib.util
+import logging
 import operator
 import os
 import sysconfig
@@ -50,7 +54,6 @@ _CONTIGUOUS = torch.Tensor.is_contiguous
 _STANDARDS = ("c++20", "c++17")
 _LOCK = threading.Lock()
 _native: Any = None  # the extension's gather, once loaded
-_thread: threading.Thread | None = None
 _error: str | None = None  # why it cannot be built ("" when it was)
 
 
@@ -95,7 +98,7 @@ def gather(lists: list[list[torch.Tensor]], params: list[torch.Tensor], param_pt
     column (``g_words``: int64 ``[len(params)]``, each parameter's flat word index in ``table``, -1
     without a row; ``row_index`` the same mapping for the Python walk). Else ``OTHER_TENSORS``,
     ``MOVED`` or ``NOT_CONTIGUOUS`` (the table may then hold some new addresses: the plan is not used)."""
-    fn = _native if _native is not None else _start()
+    fn = _native if _native is not None else _load_once()
     if fn is not None:
         code = fn(lists, params, param_ptrs_tensor, table, g_words, grad_ptrs)
         if code == BAD_ARGUMENTS:
@@ -105,37 +108,33 @@ def gather(lists: list[list[torch.Tensor]], params: list[torch.Tensor], param_pt
 
 
 def native() -> bool:
-    """Whether the C++ walk is loaded (it is built in the background on first use)."""
+    """Whether the C++ walk is loaded (it is built on first use)."""
     return _native is not None
 
 
 def wait() -> bool:
-    """Builds (or waits for) the C++ walk; whether it is loaded."""
-    _start()
-    thread = _thread
-    if thread is not None:
-        thread.join()
+    """Builds (or loads) the C++ walk now, if not done yet; whether it is loaded."""
+    _load_once()
     return _native is not None
 
 
 def unavailable_reason() -> str:
-    """Why the C++ walk is not used ("" when it is, or while it builds)."""
+    """Why the C++ walk is not used ("" when it is, or before the first use)."""
     return _error or ""
 
 
 # ------------------------------------------------------------------------------------------------
-def _start() -> Any:
-    """The loaded extension's gather, or None while it builds (the build started on the first call)."""
-    global _thread, _error
+def _load_once() -> Any:
+    """The extension's gather, built or loaded on the first call (None when it cannot be)."""
+    global _error
     if _native is not None or _error is not None:
         return _native
     with _LOCK:
-        if os.environ.get("SRADAMW_PLAN_HOST", "").lower() == "python":
-            _error = "SRADAMW_PLAN_HOST=python"
-            return None
-        if _thread is None and _native is None and _error is None:
-            _thread = threading.Thread(target=_load, name="optim-plan-host-build", daemon=True)
-            _thread.start()
+        if _native is None and _error is None:
+            if os.environ.get("SRADAMW_PLAN_HOST", "").lower() == "python":
+                _error = "SRADAMW_PLAN_HOST=python"
+            else:
+                _load()
     return _native
 
 
@@ -165,6 +164,9 @@ def _load() -> None:
                 path = builder.library_path(SOURCE, args, key)
                 break
         first_error = None
+        if path is None:
+            logging.getLogger(__name__).info("building %s once for torch %s (cached in %s)", SOURCE.name,
+                                             torch.__version__, builder.cache_dir())
         for std in _STANDARDS if path is None else ():
             args, link, key = _arguments(std)
             try:

@@ -141,3 +141,20 @@ def test_no_compiler_warns_once_and_walks_in_python(tmp_path, no_compiler) -> No
         code, _, out = call(lists, plan_params, row_of, g_words)  # the Python walk
         assert code == _host.OK and out.tolist() == [p.grad.data_ptr() for p in params]
         assert not any((tmp_path / "cache").glob("*.so"))
+
+
+def test_the_walk_is_built_without_a_thread() -> None:
+    """The C++ walk is built or loaded in the calling thread: a training process forks DataLoader
+    workers, and a fork while another Python thread ends can hang the child (seen with a build thread)."""
+    import importlib
+    import threading
+
+    before = set(threading.enumerate())
+    fresh = importlib.reload(_host)
+    try:
+        params, lists, plan_params, row_of, g_words = setup()
+        assert call(lists, plan_params, row_of, g_words)[0] == _host.OK
+        assert fresh.native(), fresh.unavailable_reason()  # loaded by that first call, not later
+        assert set(threading.enumerate()) == before
+    finally:
+        importlib.reload(_host)
