@@ -38,7 +38,7 @@ import torch
 
 from . import _build as builder
 
-__all__ = ["OK", "OTHER_TENSORS", "MOVED", "NOT_CONTIGUOUS", "gather", "gather_python", "native", "wait",
+__all__ = ["OK", "OTHER_TENSORS", "MOVED", "NOT_CONTIGUOUS", "gather", "gather_python", "as_int64", "native", "wait",
            "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("csrc") / "plan_host.cpp"
@@ -57,12 +57,9 @@ _native: Any = None  # the extension's gather, once loaded
 _error: str | None = None  # why it cannot be built ("" when it was)
 
 
-def gather_python(lists: list[list[torch.Tensor]], params: list[torch.Tensor], param_ptrs: list[int],
-                  table: torch.Tensor, row_index: torch.Tensor | None, g_word: int, grad_ptrs: torch.Tensor) -> int:
-    """The walk in Python (see the module docstring): the codes of :func:`gather`.
-
-    ``row_index``: int64 ``[rows]``, the parameter of each table row (None: row ``i`` is parameter ``i``);
-    ``g_word``: the column of the gradient's address; ``grad_ptrs``: int64 ``[len(params)]``, written."""
+def gather_python(lists: list[list[torch.Tensor]], params: list[torch.Tensor], param_ptrs: torch.Tensor,
+                  table: torch.Tensor, g_words: torch.Tensor, grad_ptrs: torch.Tensor) -> int:
+    """The walk in Python (see the module docstring), with the arguments and codes of :func:`gather`."""
     flat = [p for group in lists for p in group]
     grads = list(map(_GRAD, flat))
     if any(map(operator.is_, grads, repeat(None))):
@@ -70,7 +67,7 @@ def gather_python(lists: list[list[torch.Tensor]], params: list[torch.Tensor], p
         grads = [g for g in grads if g is not None]
     if len(flat) != len(params) or not all(map(operator.is_, flat, params)):
         return OTHER_TENSORS
-    if list(map(_DATA_PTR, params)) != param_ptrs:
+    if not torch.equal(as_int64(list(map(_DATA_PTR, params))), param_ptrs):
         return MOVED
     try:
         if not all(map(_CONTIGUOUS, grads)):
@@ -78,33 +75,32 @@ def gather_python(lists: list[list[torch.Tensor]], params: list[torch.Tensor], p
     except RuntimeError:  # a sparse gradient has no is_contiguous
         return NOT_CONTIGUOUS
     if grads:
-        grad_ptrs.copy_(_as_int64(list(map(_DATA_PTR, grads))))
-        table[:, g_word] = grad_ptrs if row_index is None else grad_ptrs[row_index]
+        grad_ptrs.copy_(as_int64(list(map(_DATA_PTR, grads))))
+        rows = g_words >= 0
+        table.view(-1)[g_words[rows]] = grad_ptrs[rows]
     return OK
 
 
-def _as_int64(values: list[int]) -> torch.Tensor:
+def as_int64(values: list[int]) -> torch.Tensor:
     """An int64 CPU tensor of Python ints (through a C array: ~10x faster than ``torch.tensor(list)``)."""
     return torch.frombuffer(array.array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
 
 
-def gather(lists: list[list[torch.Tensor]], params: list[torch.Tensor], param_ptrs: list[int],
-           param_ptrs_tensor: torch.Tensor, table: torch.Tensor, g_words: torch.Tensor,
-           row_index: torch.Tensor | None, g_word: int, grad_ptrs: torch.Tensor) -> int:
+def gather(lists: list[list[torch.Tensor]], params: list[torch.Tensor], param_ptrs: torch.Tensor,
+           table: torch.Tensor, g_words: torch.Tensor, grad_ptrs: torch.Tensor) -> int:
     """One step's walk over the parameters: ``OK`` when the parameters with gradients (in the order of
-    ``lists``, the groups' parameter lists) are ``params``, each where ``param_ptrs`` says (int64
-    ``param_ptrs_tensor``, the same as a tensor), with a dense contiguous gradient; the gradients'
-    addresses are then in ``grad_ptrs`` (int64 ``[len(params)]``) and in the table's ``g_word``
-    column (``g_words``: int64 ``[len(params)]``, each parameter's flat word index in ``table``, -1
-    without a row; ``row_index`` the same mapping for the Python walk). Else ``OTHER_TENSORS``,
-    ``MOVED`` or ``NOT_CONTIGUOUS`` (the table may then hold some new addresses: the plan is not used)."""
+    ``lists``, the groups' parameter lists) are ``params``, each at the address ``param_ptrs`` (int64
+    ``[len(params)]``) holds, with a dense contiguous gradient; the gradients' addresses are then in
+    ``grad_ptrs`` (int64 ``[len(params)]``) and in ``table`` at the flat word indices ``g_words``
+    (int64 ``[len(params)]``, -1 for a parameter without a row). Else ``OTHER_TENSORS``, ``MOVED`` or
+    ``NOT_CONTIGUOUS`` (the table may then hold some new addresses: the plan is not used)."""
     fn = _native if _native is not None else _load_once()
     if fn is not None:
-        code = fn(lists, params, param_ptrs_tensor, table, g_words, grad_ptrs)
+        code = fn(lists, params, param_ptrs, table, g_words, grad_ptrs)
         if code == BAD_ARGUMENTS:
             raise RuntimeError("optim._host.gather: arguments of the wrong type or size (a bug in optim._plan)")
         return code
-    return gather_python(lists, params, param_ptrs, table, row_index, g_word, grad_ptrs)
+    return gather_python(lists, params, param_ptrs, table, g_words, grad_ptrs)
 
 
 def native() -> bool:
@@ -160,8 +156,9 @@ def _load() -> None:
         path = None
         for std in _STANDARDS:  # torch's headers need C++20 from 2.10 on, C++17 before
             args, link, key = _arguments(std)
-            if builder.library_path(SOURCE, args, key).exists():
-                path = builder.library_path(SOURCE, args, key)
+            cached = builder.library_path(SOURCE, args, key)
+            if cached.exists():
+                path = cached
                 break
         first_error = None
         if path is None:

@@ -28,7 +28,6 @@ bit), so the kernels compute the same bits. ``SRAdamW`` owns the decision when a
 
 from __future__ import annotations
 
-import array
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,11 +54,6 @@ def group_signature(group: dict[str, Any]) -> tuple:
     """What of a parameter group selects kernel specialisations (a change retires the plan); the
     values that only enter the rows (lr, betas, eps, weight decay, clamp bounds) are read every step."""
     return group["weight_rounding"], group["state_rounding"], group.get("clamp") is None
-
-
-def _as_int64(values: list[int]) -> torch.Tensor:
-    """An int64 CPU tensor of Python ints (through a C array: ~10x faster than ``torch.tensor(list)``)."""
-    return torch.frombuffer(array.array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
 
 
 class KeyWords:
@@ -114,7 +108,7 @@ class Plan:
         self.device = self.params[0].device
         self.kernel, self.gmul_mode, self.rank = kernel, gmul_mode, rank
         self._launch, self.amax = launch, amax  # the kernel's gradient maxima, from the gradients' addresses
-        self.param_ptrs = list(map(_DATA_PTR, self.params))
+        self.param_ptrs = _host.as_int64(list(map(_DATA_PTR, self.params)))  # where they were
         states = [opt.state[p] for p in self.params]
 
         # step counters: one vector, the states' entries views of it
@@ -139,7 +133,6 @@ class Plan:
         self.row_of = [i for rows in by_spec.values() for i in rows]  # position in params of each row
         self.rows = len(self.row_of)
         self.row_index = torch.tensor(self.row_of, dtype=torch.int64)
-        self.rows_in_order = self.row_of == list(range(len(items)))  # no gather of the addresses needed
         self.row_group = torch.tensor([group_of[i] for i in self.row_of], dtype=torch.int64)
         self.table = metadata([(items[i], items[i].param, items[i].grad) for i in self.row_of], gmul_value_free)
         self.groups_of_rows = [(spec, len(rows)) for spec, rows in by_spec.items()]
@@ -174,21 +167,19 @@ class Plan:
 
         # what a step's walk over the parameters (optim._host.gather) checks against and writes into
         assert self.table.is_contiguous() and self.table.shape[1:] == (ROW_WORDS,)
-        self.param_ptrs_tensor = _as_int64(self.param_ptrs)
         n = len(self.params)
         g_words = [-1] * n
         for r, i in enumerate(self.row_of):
             g_words[i] = r * ROW_WORDS + _G
-        self.g_words = _as_int64(g_words)
+        self.g_words = _host.as_int64(g_words)
         self.grad_ptrs = torch.zeros(n, dtype=torch.int64)  # the gradients' addresses
-        self.python_rows = None if self.rows_in_order else self.row_index
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the plan owns (its tables, counters, bounds, scales, key words, the maxima's
         buffers), for memory accounting; on the CPU but the float16 bounds and scales and the Triton
         kernels' block tables and maxima buffers, which live with the parameters."""
         out = [self.table, self.steps, self.row_index, self.row_group, self.scaled_group, self.keys.prefixes,
-               self.grad_ptrs, self.param_ptrs_tensor, self.g_words]
+               self.grad_ptrs, self.param_ptrs, self.g_words]
         out += [t for t in (self.keys.block, self.scaled_index) if t is not None]
         out += self.amax.tensors()
         if self.scaled_index is not None:
@@ -229,8 +220,8 @@ class Plan:
                 and all(map(operator.is_, groups, self.groups))
                 and [group_signature(g) for g in groups] == self.signatures):
             return _host.OTHER_TENSORS
-        return _host.gather([g["params"] for g in groups], self.params, self.param_ptrs, self.param_ptrs_tensor,
-                            self.table, self.g_words, self.python_rows, _G, self.grad_ptrs)
+        return _host.gather([g["params"] for g in groups], self.params, self.param_ptrs, self.table, self.g_words,
+                            self.grad_ptrs)
 
     def grad_maxima(self) -> torch.Tensor:
         """float32 ``[len(params)]``: each gradient's largest magnitude (the general path's reduction),

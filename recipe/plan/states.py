@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from recipe.training.precision import Precision
+from recipe.training.precision import Precision, sum_dtype
 
 if TYPE_CHECKING:
     from .vocab import TokenizerShape
@@ -198,8 +198,7 @@ def state_bytes(layout: ModelLayout, prec: Precision, ds_config: dict[str, Any],
         if world > 1 and prec.recipe_managed:
             # the overlapped all-reduce (recipe.training.overlap) holds the sums in the reduction dtype in
             # place of the gradients until the step: the difference when that dtype is the wider one
-            reduce = prec.reduce_dtype or (torch.float32 if pdt == torch.bfloat16 else pdt)
-            out.backward_buffers = layout.params * max(0, reduce.itemsize - pb)
+            out.backward_buffers = layout.params * max(0, sum_dtype(pdt, prec.reduce_dtype).itemsize - pb)
         return out
     if stage == 3:
         return _stage3(layout, prec, zero, world, part_dtype)

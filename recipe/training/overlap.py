@@ -2,13 +2,14 @@
 
 On the recipe-managed routes (bf16 and fp16 at ZeRO stage 0: :mod:`recipe.training.precision`) every
 rank holds the whole model and the recipe averages the gradients itself. Done after the backward,
-the communication would add its whole time to the step. :class:`OverlappedAllReduce` starts it during the last backward pass instead, as PyTorch's DDP
-does: the gradients are cut into buckets in the reverse order of the parameters (about the order in
-which backward produces them), a hook on each parameter counts its gradient in, and a bucket whose
-gradients are all complete is flattened, converted to the reduction dtype and all-reduced
-asynchronously while backward goes on. :meth:`OverlappedAllReduce.finish` sends what did not become
-ready (parameters outside this backward's graph: the logit scale, whose gradient the global passes
-give in their first backward), waits, and writes the means back.
+the communication would add its whole time to the step. :class:`OverlappedAllReduce` starts it
+during the last backward pass instead, as PyTorch's DDP does: the gradients are cut into buckets in
+the reverse order of the parameters (about the order in which backward produces them), a hook on each
+parameter counts its gradient in, and a bucket whose gradients are all complete is flattened,
+converted to the reduction dtype and all-reduced asynchronously while backward goes on.
+:meth:`OverlappedAllReduce.finish` sends what did not become ready (parameters outside this
+backward's graph: the logit scale, whose gradient the global passes give in their first backward),
+waits, and gives every parameter its mean gradient.
 
 * Order: every rank must issue the same collectives in the same order. Buckets are sent strictly in
   their index order (a ready bucket waits for all lower ones), so the order never depends on when a
@@ -35,6 +36,8 @@ from typing import Any
 
 import torch
 
+from .precision import sum_dtype
+
 __all__ = ["OverlappedAllReduce", "BUCKET_BYTES", "reducer_for"]
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default: large enough for bandwidth, small enough to start early
@@ -47,7 +50,7 @@ class _Bucket:
     params: list[torch.Tensor]
     ready: int = 0  # parameters of this bucket whose gradient the armed backward completed
     flat: torch.Tensor | None = None  # the gradients, flat, in the reduction dtype (sent)
-    grads: list[torch.Tensor] = field(default_factory=list)  # the parameters whose gradients flat holds
+    sent: list[torch.Tensor] = field(default_factory=list)  # the parameters whose gradients flat holds
     work: Any = None  # the asynchronous all-reduce
 
 
@@ -57,13 +60,13 @@ class OverlappedAllReduce:
 
     Args:
         params: The replicated parameters (those without ``requires_grad`` are left out).
-        late: Those of ``params`` whose gradient the last backward may not produce (the logit scale and
-            bias: the global passes give theirs in the first backward): a bucket of their own, sent
-            last, so that no other bucket waits for them.
         reduce_dtype: The dtype the sums are taken in (:attr:`Precision.reduce_dtype`); ``None``: fp32
             for bf16 gradients, the gradients' own dtype otherwise.
         bucket_bytes: Gradient bytes per bucket (in the parameters' dtype).
         group: The process group (default: the world).
+        late: Those of ``params`` whose gradient the last backward may not produce (the logit scale and
+            bias: the global passes give theirs in the first backward): a bucket of their own, sent
+            last, so that no other bucket waits for them.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], reduce_dtype: torch.dtype | None = None,
@@ -122,19 +125,20 @@ class OverlappedAllReduce:
     def _send(self, bucket: _Bucket) -> None:
         import torch.distributed as dist
 
-        bucket.grads = [p for p in bucket.params if p.grad is not None]
-        if not bucket.grads:
+        bucket.sent = [p for p in bucket.params if p.grad is not None]
+        if not bucket.sent:
             return
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket.grads])
-        dtype = self.reduce_dtype or (torch.float32 if flat.dtype == torch.bfloat16 else flat.dtype)
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket.sent])
+        dtype = sum_dtype(flat.dtype, self.reduce_dtype)
         bucket.flat = flat if flat.dtype == dtype else flat.to(dtype)
-        for p in bucket.grads:  # their values are in the bucket now: the memory goes back at once
+        for p in bucket.sent:  # their values are in the bucket now: the memory goes back at once
             p.grad = None
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
     def finish(self) -> int:
-        """Sends the buckets not sent yet (in order), waits for all, and writes each gradient's mean over
-        the ranks back into it. Returns how many buckets were sent during backward (for measurements)."""
+        """Sends the buckets not sent yet (in order), waits for all, and gives each parameter its gradient's
+        mean over the ranks (a view of its bucket, in the gradient's dtype). Returns how many buckets were
+        sent during backward (for measurements)."""
         overlapped = self._next
         for bucket in self.buckets[self._next:]:
             self._send(bucket)
@@ -142,13 +146,13 @@ class OverlappedAllReduce:
             if bucket.work is not None:
                 bucket.work.wait()  # the collective's completion (on a GPU: the stream waits, not the host)
                 bucket.flat.div_(self.world)
-                grad_dtype = bucket.grads[0].dtype  # a bucket holds one dtype
+                grad_dtype = bucket.sent[0].dtype  # a bucket holds one dtype
                 means = bucket.flat if bucket.flat.dtype == grad_dtype else bucket.flat.to(grad_dtype)
                 offset = 0
-                for p in bucket.grads:  # the gradients become views of the bucket (contiguous, p's shape)
+                for p in bucket.sent:  # the gradients become views of the bucket (contiguous, p's shape)
                     p.grad = means[offset:offset + p.numel()].view(p.shape)
                     offset += p.numel()
-            bucket.ready, bucket.flat, bucket.grads, bucket.work = 0, None, [], None
+            bucket.ready, bucket.flat, bucket.sent, bucket.work = 0, None, [], None
         self._next = 0
         return overlapped
 

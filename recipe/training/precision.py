@@ -52,6 +52,7 @@ __all__ = [
     "resolve_precision",
     "read_ds_config",
     "ConfigError",
+    "sum_dtype",
 ]
 
 
@@ -203,6 +204,13 @@ def _take_over_reduce_dtype(cfg: dict[str, Any], grad_dtype: torch.dtype) -> tor
         raise ConfigError(f"communication_data_type {value!r}: the {route} route all-reduces its gradients in "
                           f"{' or '.join(allowed)}")
     return dtype
+
+
+def sum_dtype(grad_dtype: torch.dtype, reduce_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the recipe's gradient all-reduce sums ``grad_dtype`` gradients in: ``reduce_dtype``
+    (:attr:`Precision.reduce_dtype`) when given, else fp32 for bf16 gradients (rounded once) and the
+    gradients' own dtype otherwise (fp16: an overflow of the scaled sum is the loss scaler's signal)."""
+    return reduce_dtype or (torch.float32 if grad_dtype == torch.bfloat16 else grad_dtype)
 
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

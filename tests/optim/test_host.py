@@ -48,9 +48,8 @@ def call(lists, plan_params, row_of, g_words):
     ptrs = [p.data_ptr() for p in plan_params]
     table = torch.zeros(len(row_of), ROW_WORDS, dtype=torch.int64)
     out = torch.zeros(n, dtype=torch.int64)
-    code = _host.gather(lists, plan_params, ptrs, torch.tensor(ptrs, dtype=torch.int64), table,
-                        torch.tensor(g_words, dtype=torch.int64), torch.tensor(row_of, dtype=torch.int64),
-                        G_WORD, out)
+    code = _host.gather(lists, plan_params, torch.tensor(ptrs, dtype=torch.int64), table,
+                        torch.tensor(g_words, dtype=torch.int64), out)
     return code, table, out
 
 
@@ -94,8 +93,8 @@ def test_each_difference_from_the_plan_has_its_code(walk: str, change: str) -> N
     n = len(plan_params)
     table = torch.zeros(len(row_of), ROW_WORDS, dtype=torch.int64)
     out = torch.zeros(n, dtype=torch.int64)
-    code = _host.gather(lists, plan_params, ptrs_before, torch.tensor(ptrs_before, dtype=torch.int64), table,
-                        torch.tensor(g_words, dtype=torch.int64), torch.tensor(row_of, dtype=torch.int64), G_WORD, out)
+    code = _host.gather(lists, plan_params, torch.tensor(ptrs_before, dtype=torch.int64), table,
+                        torch.tensor(g_words, dtype=torch.int64), out)
     assert code == want, (walk, change, code)
 
 
